@@ -1,0 +1,150 @@
+// Thread pool behind parallel_for. Workers sleep on a condition variable between calls; one
+// call at a time owns the pool (try_lock), which keeps the hand-off to a generation counter.
+#include "common/parallel.h"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace fastxfer {
+
+int default_threads() {
+  if (const char* env = std::getenv("FASTXFER_THREADS")) {
+    int v = std::atoi(env);
+    if (v > 0) return v;
+  }
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    int c = CPU_COUNT(&set);
+    if (c > 0) return c;
+  }
+  unsigned hc = std::thread::hardware_concurrency();
+  return hc ? static_cast<int>(hc) : 1;
+}
+
+namespace {
+
+class ThreadPool {
+ public:
+  static ThreadPool& instance() {
+    // Leaked on purpose: joining threads from a static destructor at interpreter exit can
+    // deadlock, and the OS reclaims them anyway.
+    static ThreadPool* pool = new ThreadPool();
+    return *pool;
+  }
+
+  std::mutex& owner() { return owner_; }
+
+  // Runs task(i) for i in [1, count) on workers and task(0) on the caller; returns when all
+  // are done. The caller must hold owner().
+  void run(int count, const std::function<void(int)>& task) {
+    ensure_workers(count - 1);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      task_ = &task;
+      pending_ = count - 1;
+      active_ = count - 1;
+      error_ = nullptr;
+      ++generation_;
+    }
+    cv_.notify_all();
+    std::exception_ptr caller_error;
+    try {
+      task(0);
+    } catch (...) {
+      caller_error = std::current_exception();
+    }
+    std::unique_lock<std::mutex> lk(mu_);
+    done_cv_.wait(lk, [&] { return pending_ == 0; });
+    task_ = nullptr;
+    if (caller_error) std::rethrow_exception(caller_error);
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  void ensure_workers(int n) {
+    while (static_cast<int>(workers_.size()) < n) {
+      int index = static_cast<int>(workers_.size()) + 1;  // task index this worker runs
+      uint64_t start;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        start = generation_;  // a new worker must not take part in a finished generation
+      }
+      workers_.emplace_back([this, index, start] { loop(index, start); });
+      workers_.back().detach();
+    }
+  }
+
+  void loop(int index, uint64_t seen) {
+    for (;;) {
+      const std::function<void(int)>* task;
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait(lk, [&] { return generation_ != seen; });
+        seen = generation_;
+        // Only the first `active_` workers take part in this generation.
+        if (index > active_) continue;
+        task = task_;
+      }
+      std::exception_ptr err;
+      try {
+        (*task)(index);
+      } catch (...) {
+        err = std::current_exception();
+      }
+      std::lock_guard<std::mutex> lk(mu_);
+      if (err && !error_) error_ = err;
+      if (--pending_ == 0) done_cv_.notify_one();
+    }
+  }
+
+  std::mutex owner_;
+  std::mutex mu_;
+  std::condition_variable cv_, done_cv_;
+  std::vector<std::thread> workers_;
+  const std::function<void(int)>* task_ = nullptr;
+  int pending_ = 0;
+  int active_ = 0;
+  uint64_t generation_ = 0;
+  std::exception_ptr error_;
+};
+
+}  // namespace
+
+void parallel_for(size_t n, int threads, size_t min_per_thread, size_t align,
+                  const std::function<void(size_t, size_t)>& fn) {
+  if (n == 0) return;
+  if (threads <= 0) threads = default_threads();
+  if (align == 0) align = 1;
+  if (min_per_thread == 0) min_per_thread = 1;
+  size_t max_parts = std::max<size_t>(1, n / min_per_thread);
+  size_t parts = std::min<size_t>(static_cast<size_t>(threads), max_parts);
+  if (parts <= 1) {
+    fn(0, n);
+    return;
+  }
+  ThreadPool& pool = ThreadPool::instance();
+  std::unique_lock<std::mutex> own(pool.owner(), std::try_to_lock);
+  if (!own.owns_lock()) {
+    fn(0, n);
+    return;
+  }
+  // Even split, each boundary rounded up to a multiple of `align`.
+  size_t per = (n + parts - 1) / parts;
+  per = (per + align - 1) / align * align;
+  parts = (n + per - 1) / per;
+  pool.run(static_cast<int>(parts), [&](int i) {
+    size_t b = static_cast<size_t>(i) * per;
+    size_t e = std::min(n, b + per);
+    if (b < e) fn(b, e);
+  });
+}
+
+}  // namespace fastxfer

@@ -1,0 +1,13 @@
+// AVX-512 F/BW/VL/DQ path (Skylake-SP and later; AMD Zen 4 and later).
+#define FASTXFER_NATIVE_BF16 0
+#include "compress/avx512_impl.h"
+
+namespace fastxfer {
+const CompressKernels kAvx512Kernels = {
+    "avx512",
+    {compress<Bf16>, decompress<Bf16>, accumulate<Bf16>, sum_compress<Bf16>},
+    {compress<Fp16>, decompress<Fp16>, accumulate<Fp16>, sum_compress<Fp16>},
+    scale_f32,
+    accumulate_f32,
+};
+}  // namespace fastxfer

@@ -1,0 +1,185 @@
+// AVX-512 path body, 16 floats per step, tails done with masked loads/stores (no scalar tail).
+// Included by avx512.cc (bf16 rounded on the integer bits) and avx512bf16.cc
+// (FASTXFER_NATIVE_BF16=1: vcvtneps2bf16). Everything is in an anonymous namespace, so the two
+// copies, compiled with different flags, never get merged by the linker.
+#include <immintrin.h>
+
+#include "compress/kernels.h"
+
+#ifndef FASTXFER_NATIVE_BF16
+#error "define FASTXFER_NATIVE_BF16 before including avx512_impl.h"
+#endif
+
+namespace fastxfer {
+namespace {
+
+inline __mmask16 tail_mask(size_t r) { return static_cast<__mmask16>((1u << r) - 1u); }
+
+inline __mmask16 nan_mask(__m512i u) {
+  __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+  return _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7f800000));
+}
+
+inline __m256i bf16_round_bits(__m512i u) {
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  __m512i nanv = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x8000)),
+                                 _mm512_set1_epi32(0x7fc0));
+  r = _mm512_mask_mov_epi32(r, nan_mask(u), nanv);
+  return _mm512_cvtepi32_epi16(r);
+}
+
+struct Bf16 {
+  static inline __m256i enc(__m512 x) {
+    __m512i u = _mm512_castps_si512(x);
+#if FASTXFER_NATIVE_BF16
+    // vcvtneps2bf16 rounds to nearest-even like the reference, but it treats subnormal inputs
+    // as zero and keeps NaN payloads; those lanes (rare in gradients) take the integer path.
+    __m256bh nb = _mm512_cvtneps_pbh(x);
+    __m256i r;
+    __builtin_memcpy(&r, &nb, sizeof(r));
+    __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+    __mmask16 special = _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7f800000)) |
+                        _mm512_cmplt_epu32_mask(_mm512_sub_epi32(a, _mm512_set1_epi32(1)),
+                                                _mm512_set1_epi32(0x7fffff));
+    if (__builtin_expect(special != 0, 0)) r = _mm256_mask_mov_epi16(r, special, bf16_round_bits(u));
+    return r;
+#else
+    return bf16_round_bits(u);
+#endif
+  }
+  static inline __m512 dec(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+};
+
+struct Fp16 {
+  static inline __m256i enc(__m512 x) {
+    __m256i r = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512i u = _mm512_castps_si512(x);
+    __mmask16 m = nan_mask(u);
+    if (__builtin_expect(m != 0, 0)) {
+      // numpy: sign | 0x7c00 | top 10 payload bits, lowest bit set if those are all zero
+      __m512i p = _mm512_srli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffff)), 13);
+      __mmask16 z = _mm512_cmpeq_epi32_mask(p, _mm512_setzero_si512());
+      p = _mm512_mask_mov_epi32(p, z, _mm512_set1_epi32(1));
+      __m512i nb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x8000)),
+                                   _mm512_or_si512(_mm512_set1_epi32(0x7c00), p));
+      r = _mm256_mask_mov_epi16(r, m, _mm512_cvtepi32_epi16(nb));
+    }
+    return r;
+  }
+  static inline __m512 dec(__m256i h) {
+    __m512 r = _mm512_cvtph_ps(h);
+    __mmask16 m = _mm256_cmpgt_epu16_mask(_mm256_and_si256(h, _mm256_set1_epi16(0x7fff)), _mm256_set1_epi16(0x7c00));
+    if (__builtin_expect(m != 0, 0)) {
+      // keep the NaN payload exactly (numpy does; the hardware would quiet it)
+      __m512i e = _mm512_cvtepu16_epi32(h);
+      __m512i nb = _mm512_or_si512(
+          _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(e, _mm512_set1_epi32(0x8000)), 16),
+                          _mm512_set1_epi32(0x7f800000)),
+          _mm512_slli_epi32(_mm512_and_si512(e, _mm512_set1_epi32(0x3ff)), 13));
+      r = _mm512_mask_mov_ps(r, m, _mm512_castsi512_ps(nb));
+    }
+    return r;
+  }
+};
+
+inline __m256i load16(const uint16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline __m256i load16(const uint16_t* p, __mmask16 k) { return _mm256_maskz_loadu_epi16(k, p); }
+inline void store16(uint16_t* p, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+inline void store16(uint16_t* p, __m256i v, __mmask16 k) { _mm256_mask_storeu_epi16(p, k, v); }
+
+template <class C, bool kScale>
+inline void compress_impl(const float* src, uint16_t* dst, size_t n, float scale) {
+  __m512 s = _mm512_set1_ps(scale);
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512 x = _mm512_loadu_ps(src + i);
+    if (kScale) x = _mm512_mul_ps(x, s);
+    store16(dst + i, C::enc(x));
+  }
+  if (i < n) {
+    __mmask16 k = tail_mask(n - i);
+    __m512 x = _mm512_maskz_loadu_ps(k, src + i);
+    if (kScale) x = _mm512_mul_ps(x, s);
+    store16(dst + i, C::enc(x), k);
+  }
+}
+template <class C>
+void compress(const float* src, uint16_t* dst, size_t n, float scale) {
+  if (scale == 1.0f) compress_impl<C, false>(src, dst, n, scale);
+  else compress_impl<C, true>(src, dst, n, scale);
+}
+
+template <class C, bool kScale>
+inline void decompress_impl(const uint16_t* src, float* dst, size_t n, float scale) {
+  __m512 s = _mm512_set1_ps(scale);
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512 x = C::dec(load16(src + i));
+    if (kScale) x = _mm512_mul_ps(x, s);
+    _mm512_storeu_ps(dst + i, x);
+  }
+  if (i < n) {
+    __mmask16 k = tail_mask(n - i);
+    __m512 x = C::dec(load16(src + i, k));
+    if (kScale) x = _mm512_mul_ps(x, s);
+    _mm512_mask_storeu_ps(dst + i, k, x);
+  }
+}
+template <class C>
+void decompress(const uint16_t* src, float* dst, size_t n, float scale) {
+  if (scale == 1.0f) decompress_impl<C, false>(src, dst, n, scale);
+  else decompress_impl<C, true>(src, dst, n, scale);
+}
+
+template <class C>
+void accumulate(float* acc, const uint16_t* src, size_t n) {
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(acc + i, _mm512_add_ps(_mm512_loadu_ps(acc + i), C::dec(load16(src + i))));
+  if (i < n) {
+    __mmask16 k = tail_mask(n - i);
+    __m512 x = _mm512_add_ps(_mm512_maskz_loadu_ps(k, acc + i), C::dec(load16(src + i, k)));
+    _mm512_mask_storeu_ps(acc + i, k, x);
+  }
+}
+
+template <class C>
+void sum_compress(const uint16_t* a, const uint16_t* b, uint16_t* dst, size_t n) {
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) store16(dst + i, C::enc(_mm512_add_ps(C::dec(load16(a + i)), C::dec(load16(b + i)))));
+  if (i < n) {
+    __mmask16 k = tail_mask(n - i);
+    store16(dst + i, C::enc(_mm512_add_ps(C::dec(load16(a + i, k)), C::dec(load16(b + i, k)))), k);
+  }
+}
+
+void scale_f32(const float* src, float* dst, size_t n, float scale) {
+  bool do_scale = scale != 1.0f;
+  __m512 s = _mm512_set1_ps(scale);
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512 x = _mm512_loadu_ps(src + i);
+    _mm512_storeu_ps(dst + i, do_scale ? _mm512_mul_ps(x, s) : x);
+  }
+  if (i < n) {
+    __mmask16 k = tail_mask(n - i);
+    __m512 x = _mm512_maskz_loadu_ps(k, src + i);
+    _mm512_mask_storeu_ps(dst + i, k, do_scale ? _mm512_mul_ps(x, s) : x);
+  }
+}
+
+void accumulate_f32(float* acc, const float* src, size_t n) {
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(acc + i, _mm512_add_ps(_mm512_loadu_ps(acc + i), _mm512_loadu_ps(src + i)));
+  if (i < n) {
+    __mmask16 k = tail_mask(n - i);
+    _mm512_mask_storeu_ps(acc + i, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, acc + i), _mm512_maskz_loadu_ps(k, src + i)));
+  }
+}
+
+}  // namespace
+}  // namespace fastxfer

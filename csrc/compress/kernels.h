@@ -1,0 +1,36 @@
+// The table of compression kernels one SIMD level provides, and the levels built into this binary.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace fastxfer {
+
+// Kernels for one 16-bit wire format (bf16 or fp16). All take element counts; buffers may
+// be unaligned; src and dst must not overlap (except acc in accumulate, which is read and written).
+// `scale` multiplies in float32 before rounding (scale == 1 skips the multiply entirely, so
+// NaN payloads reach the rounding step untouched).
+struct WireKernels {
+  void (*compress)(const float* src, uint16_t* dst, size_t n, float scale);
+  void (*decompress)(const uint16_t* src, float* dst, size_t n, float scale);
+  // acc[i] += decode(src[i])
+  void (*accumulate)(float* acc, const uint16_t* src, size_t n);
+  // dst[i] = encode(decode(a[i]) + decode(b[i])): two ranks' compressed shards reduced in float32
+  void (*sum_compress)(const uint16_t* a, const uint16_t* b, uint16_t* dst, size_t n);
+};
+
+struct CompressKernels {
+  const char* name;
+  WireKernels bf16;
+  WireKernels fp16;
+  void (*scale_f32)(const float* src, float* dst, size_t n, float scale);  // copy when scale == 1
+  void (*accumulate_f32)(float* acc, const float* src, size_t n);
+};
+
+extern const CompressKernels kScalarKernels;
+#if defined(FASTXFER_X86)
+extern const CompressKernels kAvx2Kernels;        // AVX2 + F16C
+extern const CompressKernels kAvx512Kernels;      // AVX-512 F/BW/VL/DQ
+extern const CompressKernels kAvx512Bf16Kernels;  // plus AVX-512 BF16 (vcvtneps2bf16)
+#endif
+
+}  // namespace fastxfer

@@ -1,0 +1,57 @@
+// Element-at-a-time loops over the reference conversions: the whole scalar path, and the tails
+// of the SIMD paths. Internal linkage for the same reason as reference.h.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "compress/reference.h"
+
+namespace fastxfer {
+namespace scalar_loops {
+
+struct Bf16 {
+  static inline uint16_t enc(float f) { return ref::f32_to_bf16(f); }
+  static inline float dec(uint16_t h) { return ref::bf16_to_f32(h); }
+};
+struct Fp16 {
+  static inline uint16_t enc(float f) { return ref::f32_to_f16(f); }
+  static inline float dec(uint16_t h) { return ref::f16_to_f32(h); }
+};
+
+template <class C>
+static inline void compress(const float* src, uint16_t* dst, size_t n, float scale) {
+  if (scale == 1.0f) {
+    for (size_t i = 0; i < n; ++i) dst[i] = C::enc(src[i]);
+  } else {
+    for (size_t i = 0; i < n; ++i) dst[i] = C::enc(src[i] * scale);
+  }
+}
+template <class C>
+static inline void decompress(const uint16_t* src, float* dst, size_t n, float scale) {
+  if (scale == 1.0f) {
+    for (size_t i = 0; i < n; ++i) dst[i] = C::dec(src[i]);
+  } else {
+    for (size_t i = 0; i < n; ++i) dst[i] = C::dec(src[i]) * scale;
+  }
+}
+template <class C>
+static inline void accumulate(float* acc, const uint16_t* src, size_t n) {
+  for (size_t i = 0; i < n; ++i) acc[i] += C::dec(src[i]);
+}
+template <class C>
+static inline void sum_compress(const uint16_t* a, const uint16_t* b, uint16_t* dst, size_t n) {
+  for (size_t i = 0; i < n; ++i) dst[i] = C::enc(C::dec(a[i]) + C::dec(b[i]));
+}
+static inline void scale_f32(const float* src, float* dst, size_t n, float scale) {
+  if (scale == 1.0f) {
+    for (size_t i = 0; i < n; ++i) dst[i] = src[i];
+  } else {
+    for (size_t i = 0; i < n; ++i) dst[i] = src[i] * scale;
+  }
+}
+static inline void accumulate_f32(float* acc, const float* src, size_t n) {
+  for (size_t i = 0; i < n; ++i) acc[i] += src[i];
+}
+
+}  // namespace scalar_loops
+}  // namespace fastxfer
