@@ -89,6 +89,8 @@ PYBIND11_MODULE(_core, m) {
     return d;
   });
   m.def("default_threads", &default_threads);
+  m.def("_set_thread_flush_denormals", &set_thread_flush_denormals, py::arg("on"),
+        "Testing hook: set FTZ+DAZ on the calling thread (as TensorFlow's threads do); returns the old state.");
 
   m.def(
       "compress_into",

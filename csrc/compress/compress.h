@@ -37,6 +37,10 @@ void sum_compress(Compression wire, const uint16_t* a, const uint16_t* b, uint16
 // Runs the kernels of one call with the floating-point environment they are specified for:
 // no flush-to-zero / denormals-are-zero (a TensorFlow thread may have set them; the results
 // would then differ from the reference on subnormals). Restores the caller's setting.
+// Sets or clears FTZ+DAZ on the calling thread, returning whether both were set before. For
+// tests of ScopedIeeeFpEnv (what TensorFlow's threads do to MXCSR); a no-op off x86.
+bool set_thread_flush_denormals(bool on);
+
 class ScopedIeeeFpEnv {
  public:
   ScopedIeeeFpEnv();

@@ -119,6 +119,18 @@ void init_simd_level_from_env() {
 
 const CompressKernels& active_kernels() { return *active().load(); }
 
+bool set_thread_flush_denormals(bool on) {
+#if defined(FASTXFER_X86)
+  unsigned csr = _mm_getcsr();
+  bool was = (csr & 0x8040u) == 0x8040u;
+  _mm_setcsr(on ? (csr | 0x8040u) : (csr & ~0x8040u));
+  return was;
+#else
+  (void)on;
+  return false;
+#endif
+}
+
 ScopedIeeeFpEnv::ScopedIeeeFpEnv() {
 #if defined(FASTXFER_X86)
   saved_ = _mm_getcsr();
