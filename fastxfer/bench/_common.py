@@ -1,0 +1,130 @@
+"""Shared pieces of the benchmarks: timing, machine description, tables, JSON and plots."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+GB = 1e9  # benchmarks report decimal gigabytes, as nccl-tests does
+
+
+def median_seconds(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
+    """Median wall time of fn() over `reps` calls after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
+def machine_info() -> dict:
+    import numpy as np
+
+    import fastxfer
+
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cpu": cpu_model(),
+        "cpus": usable_cpus(),
+        "simd_level": fastxfer.simd_level(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "fastxfer": fastxfer.__version__,
+        "command": " ".join(["fastxfer"] + sys.argv[1:]) if sys.argv and sys.argv[0].endswith("fastxfer")
+        else " ".join([os.path.basename(sys.executable)] + sys.argv),
+    }
+
+
+@dataclasses.dataclass
+class Row:
+    op: str
+    impl: str
+    threads: str
+    seconds: float
+    elements: int
+    bytes_moved: int
+    wrong: int | None = None  # elements differing from the reference result; None = not checked
+    baseline: str | None = None  # impl this row is compared with
+    ratio: float | None = None  # speed-up over the baseline (time_baseline / time_this)
+
+    @property
+    def gelem_s(self) -> float:
+        return self.elements / self.seconds / GB
+
+    @property
+    def gb_s(self) -> float:
+        return self.bytes_moved / self.seconds / GB
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.update(gelem_s=self.gelem_s, gb_s=self.gb_s, ms=self.seconds * 1e3)
+        return d
+
+
+def print_table(title: str, columns: list[str], rows: list[list[str]], caption: str = "") -> None:
+    """A table on the terminal (rich when installed, plain text otherwise)."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(f"\n{title}")
+        widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(columns)]
+        print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+        for r in rows:
+            print("  ".join(v.rjust(w) for v, w in zip(r, widths)))
+        if caption:
+            print(caption)
+        return
+    t = Table(title=title, caption=caption or None)
+    for i, c in enumerate(columns):
+        t.add_column(c, justify="left" if i < 2 else "right")
+    for r in rows:
+        t.add_row(*r)
+    Console().print(t)
+
+
+def markdown_table(columns: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def write_json(path: str, payload: dict) -> None:
+    text = json.dumps(payload, indent=2)
+    if path == "-":
+        print(text)
+    else:
+        with open(path, "w") as f:
+            f.write(text + "\n")
+
+
+def status(msg: str) -> None:
+    """One line of progress on stderr (keeps stdout clean for --json -)."""
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)

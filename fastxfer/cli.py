@@ -1,0 +1,41 @@
+"""The ``fastxfer`` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _bench(args: argparse.Namespace) -> int:
+    if args.bench == "compress":
+        from fastxfer.bench import compress
+
+        return compress.main(args)
+    raise AssertionError(args.bench)  # argparse restricts the choices
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import fastxfer
+
+    p = argparse.ArgumentParser(prog="fastxfer", description="fast data-parallel training for TensorFlow / Keras 3")
+    p.add_argument("--version", action="version", version=f"fastxfer {fastxfer.__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    bench = sub.add_parser("bench", help="side-by-side benchmarks against the installed peers")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    from fastxfer.bench import compress
+
+    compress.add_arguments(bsub.add_parser(
+        "compress", help="float32 <-> bf16/fp16 and fused packing vs ml_dtypes, numpy, tf.cast, torch",
+        description=compress.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+    bench.set_defaults(func=_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

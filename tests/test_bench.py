@@ -1,0 +1,39 @@
+"""`fastxfer bench compress` runs end to end through the installed command and checks its own results."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+
+def _fastxfer():
+    exe = shutil.which("fastxfer")
+    return [exe] if exe else [sys.executable, "-m", "fastxfer.cli"]
+
+
+def test_bench_compress_json(tmp_path):
+    out = tmp_path / "r.json"
+    r = subprocess.run(_fastxfer() + ["bench", "compress", "--no-peers", "--size-mb", "2", "--pack-mb", "2",
+                                      "--reps", "1", "--threads", "1,2", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    ours = [row for row in res["rows"] if row["impl"].startswith("fastxfer") and row["wrong"] is not None]
+    assert {row["op"] for row in ours} >= {"f32->bf16", "f32->fp16", "bf16->f32", "fp16->f32", "pack 100 tensors"}
+    assert all(row["wrong"] == 0 for row in ours)
+    assert {row["threads"] for row in ours} == {"1", "2"}
+    assert res["machine"]["simd_level"] and res["elements"] > 0
+    assert len(res["targets"]) == 5  # both baselines ran at 1 thread, pack at both thread counts
+    assert "fastxfer bench compress" in r.stdout  # the human-readable table went to stdout
+
+
+def test_bench_rejects_unknown_benchmark(tmp_path):
+    r = subprocess.run(_fastxfer() + ["bench", "nonsense"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 2 and "invalid choice: 'nonsense'" in r.stderr
+
+
+def test_version(tmp_path):
+    import fastxfer
+
+    r = subprocess.run(_fastxfer() + ["--version"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.strip() == f"fastxfer {fastxfer.__version__}"
