@@ -1,11 +1,12 @@
-// Pack/unpack. Work is split across threads by elements, not by tensors, so one huge tensor
-// next to many tiny ones still spreads evenly: thread t handles elements [b, e) of the
-// concatenation of all tensors and finds its tensors by binary search.
+// Pack/unpack. Work is split across threads by packed elements, not by tensors, so one huge
+// tensor next to many tiny ones still spreads evenly: a thread handling packed elements [b, e)
+// finds the tensors that overlap it by binary search over the (ascending) offsets.
 #include "fusion/pack.h"
 
 #include <algorithm>
 #include <cstring>
 #include <stdexcept>
+#include <string>
 
 #include "common/parallel.h"
 #include "compress/compress.h"
@@ -20,102 +21,119 @@ void check_scale(const Bucket& b, double scale) {
                                 dtype_name(b.dtype));
 }
 
-// Calls fn(j, begin, end) for each piece [begin, end) of tensor j inside element range [lo, hi)
-// of the concatenated tensors. `starts` holds prefix sums of the tensor sizes.
-template <class Fn>
-void for_segments(const std::vector<size_t>& starts, size_t lo, size_t hi, Fn&& fn) {
-  size_t j = std::upper_bound(starts.begin(), starts.end(), lo) - starts.begin() - 1;
-  for (; j + 1 < starts.size() && starts[j] < hi; ++j) {
-    size_t b = std::max(lo, starts[j]), e = std::min(hi, starts[j + 1]);
-    if (b < e) fn(j, b - starts[j], e - starts[j]);
-  }
+void check_count(const Bucket& b, size_t n, const char* what) {
+  if (n != b.tensors.size())
+    throw std::invalid_argument(std::string(what) + ": got " + std::to_string(n) + " tensors for a bucket of " +
+                                std::to_string(b.tensors.size()));
 }
 
-std::vector<size_t> prefix(const Bucket& b) {
-  std::vector<size_t> s(b.numels.size() + 1, 0);
-  for (size_t j = 0; j < b.numels.size(); ++j) s[j + 1] = s[j] + b.numels[j];
-  return s;
+void check_range(const Bucket& b, size_t lo, size_t hi) {
+  if (lo > hi || hi > b.numel)
+    throw std::invalid_argument("range [" + std::to_string(lo) + ", " + std::to_string(hi) +
+                                ") is outside the bucket of " + std::to_string(b.numel) + " elements");
 }
 
-void zero_padding(const Bucket& b, void* dst) {
-  size_t esize = dtype_size(b.wire_dtype);
-  char* p = static_cast<char*>(dst);
-  size_t end = 0;
-  for (size_t j = 0; j < b.offsets.size(); ++j) {
-    if (b.offsets[j] > end) std::memset(p + end * esize, 0, (b.offsets[j] - end) * esize);
-    end = b.offsets[j] + b.numels[j];
+// Calls seg(j, t_begin, t_end, p_begin) for every piece of tensor j inside packed range [lo, hi)
+// (t_* in the tensor's elements, p_begin in packed elements), and gap(p_begin, p_end) for padding.
+template <class Seg, class Gap>
+void walk(const Bucket& b, size_t lo, size_t hi, Seg&& seg, Gap&& gap) {
+  const auto& off = b.offsets;
+  // first tensor that ends after lo
+  size_t j = std::upper_bound(off.begin(), off.end(), lo) - off.begin();
+  if (j > 0) --j;
+  size_t pos = lo;
+  for (; j < off.size() && pos < hi; ++j) {
+    size_t t0 = off[j], t1 = off[j] + b.numels[j];
+    if (t1 <= pos) continue;
+    if (t0 >= hi) break;
+    if (t0 > pos) gap(pos, t0);
+    size_t s = std::max(pos, t0), e = std::min(hi, t1);
+    if (s < e) seg(j, s - t0, e - t0, s);
+    pos = e;
   }
+  if (pos < hi) gap(pos, hi);
 }
 
 }  // namespace
 
-void pack(const Bucket& bucket, const std::vector<const void*>& srcs, void* dst, double scale, int threads) {
-  if (srcs.size() != bucket.tensors.size())
-    throw std::invalid_argument("pack: got " + std::to_string(srcs.size()) + " tensors for a bucket of " +
-                                std::to_string(bucket.tensors.size()));
+void pack_range(const Bucket& bucket, const std::vector<const void*>& srcs, void* dst, size_t lo, size_t hi,
+                double scale, int threads) {
+  check_count(bucket, srcs.size(), "pack");
   check_scale(bucket, scale);
-  zero_padding(bucket, dst);
-  const std::vector<size_t> starts = prefix(bucket);
+  check_range(bucket, lo, hi);
   const size_t esize = dtype_size(bucket.dtype), wsize = dtype_size(bucket.wire_dtype);
   const CompressKernels& k = active_kernels();
   char* out = static_cast<char*>(dst);
-  parallel_for(starts.back(), threads, kMinElementsPerThread, 64, [&](size_t lo, size_t hi) {
+  const float f = static_cast<float>(scale);
+  parallel_for(hi - lo, threads, kMinElementsPerThread, 64, [&](size_t a, size_t z) {
     ScopedIeeeFpEnv env;
-    for_segments(starts, lo, hi, [&](size_t j, size_t b, size_t e) {
-      const char* src = static_cast<const char*>(srcs[j]) + b * esize;
-      char* d = out + (bucket.offsets[j] + b) * wsize;
-      size_t n = e - b;
-      if (bucket.dtype == DType::kFloat32) {
-        const float* s = reinterpret_cast<const float*>(src);
-        float f = static_cast<float>(scale);
-        switch (bucket.compression) {
-          case Compression::kBF16: k.bf16.compress(s, reinterpret_cast<uint16_t*>(d), n, f); break;
-          case Compression::kFP16: k.fp16.compress(s, reinterpret_cast<uint16_t*>(d), n, f); break;
-          case Compression::kNone: k.scale_f32(s, reinterpret_cast<float*>(d), n, f); break;
-        }
-      } else if (bucket.dtype == DType::kFloat64 && scale != 1.0) {
-        const double* s = reinterpret_cast<const double*>(src);
-        double* o = reinterpret_cast<double*>(d);
-        for (size_t i = 0; i < n; ++i) o[i] = s[i] * scale;
-      } else {
-        std::memcpy(d, src, n * esize);
-      }
-    });
+    walk(
+        bucket, lo + a, lo + z,
+        [&](size_t j, size_t b, size_t e, size_t p) {
+          const char* src = static_cast<const char*>(srcs[j]) + b * esize;
+          char* d = out + (p - lo) * wsize;
+          size_t n = e - b;
+          if (bucket.dtype == DType::kFloat32) {
+            const float* s = reinterpret_cast<const float*>(src);
+            switch (bucket.compression) {
+              case Compression::kBF16: k.bf16.compress(s, reinterpret_cast<uint16_t*>(d), n, f); break;
+              case Compression::kFP16: k.fp16.compress(s, reinterpret_cast<uint16_t*>(d), n, f); break;
+              case Compression::kNone: k.scale_f32(s, reinterpret_cast<float*>(d), n, f); break;
+            }
+          } else if (bucket.dtype == DType::kFloat64 && scale != 1.0) {
+            const double* s = reinterpret_cast<const double*>(src);
+            double* o = reinterpret_cast<double*>(d);
+            for (size_t i = 0; i < n; ++i) o[i] = s[i] * scale;
+          } else {
+            std::memcpy(d, src, n * esize);
+          }
+        },
+        [&](size_t p0, size_t p1) { std::memset(out + (p0 - lo) * wsize, 0, (p1 - p0) * wsize); });
   });
 }
 
-void unpack(const Bucket& bucket, const void* src, const std::vector<void*>& dsts, double scale, int threads) {
-  if (dsts.size() != bucket.tensors.size())
-    throw std::invalid_argument("unpack: got " + std::to_string(dsts.size()) + " outputs for a bucket of " +
-                                std::to_string(bucket.tensors.size()));
+void unpack_range(const Bucket& bucket, const void* src, const std::vector<void*>& dsts, size_t lo, size_t hi,
+                  double scale, int threads) {
+  check_count(bucket, dsts.size(), "unpack");
   check_scale(bucket, scale);
-  const std::vector<size_t> starts = prefix(bucket);
+  check_range(bucket, lo, hi);
   const size_t esize = dtype_size(bucket.dtype), wsize = dtype_size(bucket.wire_dtype);
   const CompressKernels& k = active_kernels();
   const char* in = static_cast<const char*>(src);
-  parallel_for(starts.back(), threads, kMinElementsPerThread, 64, [&](size_t lo, size_t hi) {
+  const float f = static_cast<float>(scale);
+  parallel_for(hi - lo, threads, kMinElementsPerThread, 64, [&](size_t a, size_t z) {
     ScopedIeeeFpEnv env;
-    for_segments(starts, lo, hi, [&](size_t j, size_t b, size_t e) {
-      const char* s = in + (bucket.offsets[j] + b) * wsize;
-      char* d = static_cast<char*>(dsts[j]) + b * esize;
-      size_t n = e - b;
-      if (bucket.dtype == DType::kFloat32) {
-        float* o = reinterpret_cast<float*>(d);
-        float f = static_cast<float>(scale);
-        switch (bucket.compression) {
-          case Compression::kBF16: k.bf16.decompress(reinterpret_cast<const uint16_t*>(s), o, n, f); break;
-          case Compression::kFP16: k.fp16.decompress(reinterpret_cast<const uint16_t*>(s), o, n, f); break;
-          case Compression::kNone: k.scale_f32(reinterpret_cast<const float*>(s), o, n, f); break;
-        }
-      } else if (bucket.dtype == DType::kFloat64 && scale != 1.0) {
-        const double* p = reinterpret_cast<const double*>(s);
-        double* o = reinterpret_cast<double*>(d);
-        for (size_t i = 0; i < n; ++i) o[i] = p[i] * scale;
-      } else {
-        std::memcpy(d, s, n * esize);
-      }
-    });
+    walk(
+        bucket, lo + a, lo + z,
+        [&](size_t j, size_t b, size_t e, size_t p) {
+          const char* s = in + (p - lo) * wsize;
+          char* d = static_cast<char*>(dsts[j]) + b * esize;
+          size_t n = e - b;
+          if (bucket.dtype == DType::kFloat32) {
+            float* o = reinterpret_cast<float*>(d);
+            switch (bucket.compression) {
+              case Compression::kBF16: k.bf16.decompress(reinterpret_cast<const uint16_t*>(s), o, n, f); break;
+              case Compression::kFP16: k.fp16.decompress(reinterpret_cast<const uint16_t*>(s), o, n, f); break;
+              case Compression::kNone: k.scale_f32(reinterpret_cast<const float*>(s), o, n, f); break;
+            }
+          } else if (bucket.dtype == DType::kFloat64 && scale != 1.0) {
+            const double* p2 = reinterpret_cast<const double*>(s);
+            double* o = reinterpret_cast<double*>(d);
+            for (size_t i = 0; i < n; ++i) o[i] = p2[i] * scale;
+          } else {
+            std::memcpy(d, s, n * esize);
+          }
+        },
+        [](size_t, size_t) {});
   });
+}
+
+void pack(const Bucket& bucket, const std::vector<const void*>& srcs, void* dst, double scale, int threads) {
+  pack_range(bucket, srcs, dst, 0, bucket.numel, scale, threads);
+}
+
+void unpack(const Bucket& bucket, const void* src, const std::vector<void*>& dsts, double scale, int threads) {
+  unpack_range(bucket, src, dsts, 0, bucket.numel, scale, threads);
 }
 
 }  // namespace fastxfer

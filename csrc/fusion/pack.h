@@ -16,4 +16,12 @@ void pack(const Bucket& bucket, const std::vector<const void*>& srcs, void* dst,
 // (e.g. 1/size to turn a sum into an average).
 void unpack(const Bucket& bucket, const void* src, const std::vector<void*>& dsts, double scale, int threads);
 
+// The same for the part [lo, hi) of the packed buffer (element offsets, padding included), so a
+// transport can stream a bucket through a window smaller than the bucket. `dst`/`src` point at
+// packed element `lo`. Tensor elements outside [lo, hi) are not touched.
+void pack_range(const Bucket& bucket, const std::vector<const void*>& srcs, void* dst, size_t lo, size_t hi,
+                double scale, int threads);
+void unpack_range(const Bucket& bucket, const void* src, const std::vector<void*>& dsts, size_t lo, size_t hi,
+                  double scale, int threads);
+
 }  // namespace fastxfer
