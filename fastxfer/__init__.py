@@ -1,7 +1,13 @@
 """fastxfer: fast data-parallel training for TensorFlow / Keras 3 on CPU clusters and GPU nodes.
 
-The framework-free API works on numpy arrays. This release provides the native core: SIMD
-bf16/fp16 compression kernels and fused gradient buckets (``fastxfer.fusion``).
+The framework-free API works on numpy arrays::
+
+    import fastxfer as fx
+    fx.init()                                   # joins the job started by `fastxfer run -np N`
+    g = fx.allreduce(grad, op="average", compression="bf16")
+
+Native core: SIMD bf16/fp16 kernels, fused gradient buckets (``fastxfer.fusion``), and a
+background engine that reduces over shared memory.
 """
 
 try:
@@ -16,8 +22,11 @@ except ImportError as e:  # pragma: no cover - depends on how the package was fo
             "or run the tests with `pytest` rather than `python -m pytest` (which puts the checkout first)."
         ) from e
     raise
+from fastxfer.collectives import (Handle, allgather, allreduce, allreduce_async, barrier, broadcast,
+                                  broadcast_object, oob_allreduce)
 from fastxfer.compression import compress, decompress
 from fastxfer.errors import FastxferError, MismatchError, PeerFailureError
+from fastxfer.process_group import init, is_initialized, local_rank, local_size, rank, shutdown, size
 
 __version__ = _core.__version__
 
@@ -38,6 +47,21 @@ def supported_simd_levels() -> list[str]:
 
 __all__ = [
     "FastxferError",
+    "Handle",
+    "allgather",
+    "allreduce",
+    "allreduce_async",
+    "barrier",
+    "broadcast",
+    "broadcast_object",
+    "init",
+    "is_initialized",
+    "local_rank",
+    "local_size",
+    "oob_allreduce",
+    "rank",
+    "shutdown",
+    "size",
     "MismatchError",
     "PeerFailureError",
     "__version__",

@@ -21,6 +21,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"fastxfer {fastxfer.__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
+    from fastxfer import run
+
+    runp = sub.add_parser("run", help="start N workers with rank-prefixed output; one failing stops the rest",
+                          description=run.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    run.add_arguments(runp)
+    runp.set_defaults(func=run.main)
+
     bench = sub.add_parser("bench", help="side-by-side benchmarks against the installed peers")
     bsub = bench.add_subparsers(dest="bench", required=True)
     from fastxfer.bench import compress

@@ -7,6 +7,9 @@
 #include <string>
 
 #include "common/dtype.h"
+#include "engine/collective.h"
+#include "engine/engine.h"
+#include "transport/shm/shm_transport.h"
 #include "common/parallel.h"
 #include "compress/compress.h"
 #include "compress/cpu_features.h"
@@ -52,11 +55,41 @@ Compression wire16(const std::string& name) {
 
 size_t size_of(const py::array& a) { return static_cast<size_t>(a.size()); }
 
+std::vector<int64_t> shape_of(const py::array& a) {
+  std::vector<int64_t> s;
+  for (py::ssize_t i = 0; i < a.ndim(); ++i) s.push_back(static_cast<int64_t>(a.shape(i)));
+  return s;
+}
+
+CollectiveKind kind_from_name(const std::string& k) {
+  for (auto c : {CollectiveKind::kAllreduce, CollectiveKind::kBroadcast, CollectiveKind::kAllgather,
+                 CollectiveKind::kBarrier})
+    if (k == kind_name(c)) return c;
+  throw py::value_error("unknown collective '" + k + "'");
+}
+
+void raise_as(const char* cls, const char* what) {
+  py::object t = py::module_::import("fastxfer.errors").attr(cls);
+  PyErr_SetString(t.ptr(), what);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "fastxfer native core: SIMD bf16/fp16 kernels, fused gradient buckets";
   m.attr("__version__") = FASTXFER_VERSION;
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const PeerFailure& e) {
+      raise_as("PeerFailureError", e.what());
+    } catch (const Mismatch& e) {
+      raise_as("MismatchError", e.what());
+    } catch (const EngineError& e) {
+      raise_as("FastxferError", e.what());
+    }
+  });
 
   try {
     init_simd_level_from_env();
@@ -219,4 +252,95 @@ PYBIND11_MODULE(_core, m) {
         unpack(b, src, dsts, scale, threads);
       },
       py::arg("bucket"), py::arg("buffer"), py::arg("outs"), py::arg("scale") = 1.0, py::arg("threads") = 0);
+
+  py::class_<Engine>(m, "Engine", "The background collective engine over shared memory (one per process).")
+      .def(py::init([](const std::string& name, int rank, int size, size_t window_bytes, size_t oob_bytes,
+                       double timeout_s, double attach_timeout_s, int threads, std::vector<int> cpus,
+                       size_t bucket_cap_bytes, int max_records) {
+             ShmConfig c;
+             c.name = name;
+             c.rank = rank;
+             c.size = size;
+             c.window_bytes = window_bytes;
+             c.oob_bytes = oob_bytes;
+             c.timeout_s = timeout_s;
+             c.attach_timeout_s = attach_timeout_s;
+             c.threads = threads;
+             c.max_records = max_records;
+             EngineConfig e;
+             e.bucket_cap_bytes = bucket_cap_bytes;
+             e.max_records = max_records;
+             e.cpus = std::move(cpus);
+             py::gil_scoped_release nogil;  // waits for the other ranks to attach
+             return std::make_unique<Engine>(std::make_unique<ShmTransport>(c), e);
+           }),
+           py::arg("name"), py::arg("rank"), py::arg("size"), py::arg("window_bytes"), py::arg("oob_bytes"),
+           py::arg("timeout_s"), py::arg("attach_timeout_s"), py::arg("threads"), py::arg("cpus"),
+           py::arg("bucket_cap_bytes"), py::arg("max_records"))
+      .def_property_readonly("rank", &Engine::rank)
+      .def_property_readonly("size", &Engine::size)
+      .def_property_readonly("oob_capacity", &Engine::oob_capacity)
+      .def_property_readonly("running", &Engine::running)
+      .def(
+          "submit",
+          [](Engine& eng, const std::string& kind, const std::string& name, py::object input, py::object output,
+             const std::string& op, const std::string& compression, int root, double prescale, double postscale) {
+            Request r;
+            r.kind = kind_from_name(kind);
+            r.op = op_from_name(op);
+            r.compression = compression_from_name(compression);
+            r.root = root;
+            r.prescale = prescale;
+            r.postscale = postscale;
+            std::vector<int64_t> shape;
+            if (!input.is_none()) {
+              py::array in = input.cast<py::array>();
+              r.dtype = dtype_from_name(dtype_str(in));
+              r.numel = size_of(in);
+              shape = shape_of(in);
+              r.in = checked_data(in, "input", dtype_str(in), r.numel, false);
+            }
+            if (!output.is_none()) {
+              py::array out = output.cast<py::array>();
+              r.out = checked_data(out, "output", dtype_name(r.dtype), r.numel, true);
+            }
+            if (r.compression != Compression::kNone && r.dtype != DType::kFloat32)
+              throw py::value_error(std::string("compression applies to float32 tensors, not ") + dtype_name(r.dtype));
+            r.rec = make_record(r.kind, name, r.dtype, shape, r.op, r.compression, root, prescale, postscale);
+            return eng.submit(std::move(r));
+          },
+          py::arg("kind"), py::arg("name"), py::arg("input"), py::arg("output"), py::arg("op") = "sum",
+          py::arg("compression") = "none", py::arg("root") = 0, py::arg("prescale") = 1.0,
+          py::arg("postscale") = 1.0)
+      .def("wait", &Engine::wait, py::arg("id"), py::call_guard<py::gil_scoped_release>())
+      .def("done", &Engine::done, py::arg("id"))
+      .def("release", &Engine::release, py::arg("id"))
+      .def("take_finished", &Engine::take_finished)
+      .def(
+          "take_gathered",
+          [](Engine& eng, uint64_t id) {
+            int64_t rows = 0;
+            auto* vec = new std::vector<char>(eng.take_gathered(id, &rows));
+            py::capsule owner(vec, [](void* p) { delete static_cast<std::vector<char>*>(p); });
+            py::array_t<uint8_t> bytes({static_cast<py::ssize_t>(vec->size())}, {1},
+                                       reinterpret_cast<uint8_t*>(vec->data()), owner);
+            return py::make_tuple(bytes, rows);
+          },
+          py::arg("id"))
+      .def(
+          "oob_allreduce",
+          [](Engine& eng, py::array in, py::array out, const std::string& name, const std::string& op,
+             double postscale) {
+            DType dt = dtype_from_name(dtype_str(in));
+            size_t n = size_of(in);
+            const void* src = checked_data(in, "input", dtype_str(in), n, false);
+            void* dst = checked_data(out, "output", dtype_name(dt), n, true);
+            ReduceOp rop = op_from_name(op);
+            Record rec = make_record(CollectiveKind::kAllreduce, name, dt, shape_of(in), rop, Compression::kNone, 0,
+                                     1.0, postscale);
+            py::gil_scoped_release nogil;
+            eng.oob_allreduce(rec, src, dst, n, dt, rop, postscale);
+          },
+          py::arg("input"), py::arg("output"), py::arg("name"), py::arg("op"), py::arg("postscale"))
+      .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>());
 }

@@ -1,0 +1,112 @@
+// Descriptor records: construction, comparison, and readable descriptions for error messages.
+#include "engine/collective.h"
+
+#include <sstream>
+
+namespace fastxfer {
+
+namespace {
+
+uint64_t fnv1a(const void* data, size_t n, uint64_t h = 1469598103934665603ull) {
+  const unsigned char* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < n; ++i) {
+    h ^= p[i];
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+std::string shape_str(const Record& r) {
+  if (r.ndim < 0) return "[>8 dims]";
+  std::ostringstream s;
+  s << "[";
+  for (int i = 0; i < r.ndim; ++i) s << (i ? "," : "") << r.shape[i];
+  s << "]";
+  return s.str();
+}
+
+}  // namespace
+
+const char* kind_name(CollectiveKind k) {
+  switch (k) {
+    case CollectiveKind::kAllreduce: return "allreduce";
+    case CollectiveKind::kBroadcast: return "broadcast";
+    case CollectiveKind::kAllgather: return "allgather";
+    case CollectiveKind::kBarrier: return "barrier";
+    case CollectiveKind::kShutdown: return "shutdown";
+  }
+  return "?";
+}
+
+const char* op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kAverage: return "average";
+    case ReduceOp::kMin: return "min";
+    case ReduceOp::kMax: return "max";
+  }
+  return "?";
+}
+
+ReduceOp op_from_name(const std::string& name) {
+  if (name == "sum") return ReduceOp::kSum;
+  if (name == "average" || name == "avg" || name == "mean") return ReduceOp::kAverage;
+  if (name == "min") return ReduceOp::kMin;
+  if (name == "max") return ReduceOp::kMax;
+  throw std::invalid_argument("unknown op '" + name + "': expected 'sum', 'average', 'min' or 'max'");
+}
+
+Record make_record(CollectiveKind kind, const std::string& name, DType dtype, const std::vector<int64_t>& shape,
+                   ReduceOp op, Compression compression, int root, double prescale, double postscale) {
+  Record r;
+  std::memset(&r, 0, sizeof(r));
+  r.name_hash = fnv1a(name.data(), name.size());
+  std::strncpy(r.name, name.c_str(), sizeof(r.name) - 1);
+  r.kind = static_cast<int32_t>(kind);
+  r.dtype = static_cast<int32_t>(dtype);
+  r.op = static_cast<int32_t>(op);
+  r.compression = static_cast<int32_t>(compression);
+  r.root = root;
+  r.ndim = shape.size() <= static_cast<size_t>(kMaxDims) ? static_cast<int32_t>(shape.size()) : -1;
+  for (size_t i = 0; i < shape.size() && i < static_cast<size_t>(kMaxDims); ++i) r.shape[i] = shape[i];
+  // allgather may differ in the first dimension, so the hash covers the rest only
+  size_t from = kind == CollectiveKind::kAllgather && !shape.empty() ? 1 : 0;
+  r.shape_hash = fnv1a(shape.data() + from, (shape.size() - from) * sizeof(int64_t), shape.size());
+  r.numel = 1;
+  for (int64_t d : shape) r.numel *= d;
+  r.prescale = prescale;
+  r.postscale = postscale;
+  return r;
+}
+
+std::string describe(const Record& r) {
+  auto kind = static_cast<CollectiveKind>(r.kind);
+  std::ostringstream s;
+  s << kind_name(kind);
+  if (kind == CollectiveKind::kBarrier || kind == CollectiveKind::kShutdown) return s.str();
+  s << " '" << r.name << "' " << dtype_name(static_cast<DType>(r.dtype)) << shape_str(r);
+  if (kind == CollectiveKind::kAllreduce) {
+    s << " op=" << op_name(static_cast<ReduceOp>(r.op));
+    if (r.compression) s << " compression=" << compression_name(static_cast<Compression>(r.compression));
+    if (r.prescale != 1.0 || r.postscale != 1.0) s << " prescale=" << r.prescale << " postscale=" << r.postscale;
+  }
+  if (kind == CollectiveKind::kBroadcast) s << " root=" << r.root;
+  return s.str();
+}
+
+std::string compare_records(const Record& a, int ra, const Record& b, int rb) {
+  bool same = a.kind == b.kind && a.name_hash == b.name_hash && a.dtype == b.dtype && a.op == b.op &&
+              a.compression == b.compression && a.root == b.root && a.ndim == b.ndim &&
+              a.shape_hash == b.shape_hash && a.prescale == b.prescale && a.postscale == b.postscale;
+  if (same && a.ndim > 0) {
+    int from = static_cast<CollectiveKind>(a.kind) == CollectiveKind::kAllgather ? 1 : 0;
+    for (int i = from; i < a.ndim; ++i) same = same && a.shape[i] == b.shape[i];
+  }
+  if (same) return {};
+  return "rank " + std::to_string(ra) + " submitted " + describe(a) + " but rank " + std::to_string(rb) +
+         " submitted " + describe(b);
+}
+
+size_t record_numel(const Record& r) { return static_cast<size_t>(r.numel); }
+
+}  // namespace fastxfer

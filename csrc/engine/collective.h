@@ -1,0 +1,67 @@
+// What one collective call is: its kind, reduction op, and the fixed-size descriptor ranks
+// exchange to agree on order and detect mismatches. Also the engine's error types.
+#pragma once
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "common/dtype.h"
+
+namespace fastxfer {
+
+enum class CollectiveKind : int32_t { kAllreduce = 0, kBroadcast, kAllgather, kBarrier, kShutdown };
+enum class ReduceOp : int32_t { kSum = 0, kAverage, kMin, kMax };
+
+const char* kind_name(CollectiveKind k);
+const char* op_name(ReduceOp op);
+ReduceOp op_from_name(const std::string& name);  // throws std::invalid_argument
+
+// A peer died, exited, or did not answer within the timeout.
+class PeerFailure : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+// Ranks disagree on what to do next (names, shapes, dtypes, ops, counts or order).
+class Mismatch : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+// Anything else the engine or transport cannot recover from (e.g. shared memory unavailable).
+class EngineError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+constexpr int kMaxDims = 8;
+
+// Plain-old-data, written into shared memory as is; every rank compares every rank's records.
+struct Record {
+  uint64_t name_hash;
+  char name[56];  // truncated copy for error messages
+  int32_t kind;
+  int32_t dtype;
+  int32_t op;
+  int32_t compression;
+  int32_t root;
+  int32_t ndim;          // -1: more than kMaxDims, compare shape_hash only
+  int64_t shape[kMaxDims];
+  uint64_t shape_hash;
+  int64_t numel;  // product of the shape (per rank for allgather)
+  double prescale;
+  double postscale;
+};
+
+Record make_record(CollectiveKind kind, const std::string& name, DType dtype, const std::vector<int64_t>& shape,
+                   ReduceOp op, Compression compression, int root, double prescale, double postscale);
+
+// Empty when `a` (from rank ra) and `b` (from rank rb) describe the same collective; otherwise a
+// sentence naming both sides. allgather allows the first dimension to differ.
+std::string compare_records(const Record& a, int ra, const Record& b, int rb);
+
+std::string describe(const Record& r);
+
+size_t record_numel(const Record& r);
+
+}  // namespace fastxfer

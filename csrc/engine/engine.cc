@@ -1,0 +1,309 @@
+// Engine: one background thread per process.
+//
+// Why one thread, and how ranks agree on order (the rule that cannot deadlock):
+// Every rank's program issues collectives in the same order (as with Horovod or PyTorch DDP;
+// Keras computes gradients in a fixed order). Requests are numbered by arrival. In each round the
+// thread publishes the descriptors of the requests it has queued (up to max_records), reads every
+// rank's list, and runs the longest prefix that every rank has — min over ranks. Because that
+// prefix is identical everywhere, every rank runs the same collectives, fused into the same
+// buckets, in the same order, and never waits for something a peer will not send. Descriptors
+// are compared element by element first: a different name, shape, dtype, op or order is a
+// Mismatch on every rank (they all see the same lists), never a hang or a wrong sum. Requests that
+// arrive while a round runs wait for the next round, which fuses whatever has accumulated — so
+// gradients produced during the backward pass are reduced while the rest are still computed.
+// A single thread keeps the transport's sequence counters in lock-step without any locking.
+#include "engine/engine.h"
+
+#include <pthread.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "fusion/bucket_planner.h"
+
+namespace fastxfer {
+
+Engine::Engine(std::unique_ptr<Transport> transport, const EngineConfig& cfg)
+    : transport_(std::move(transport)), cfg_(cfg) {
+  thread_ = std::thread([this] { loop(); });
+  if (!cfg_.cpus.empty()) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    for (int c : cfg_.cpus) CPU_SET(c, &set);
+    int rc = pthread_setaffinity_np(thread_.native_handle(), sizeof(set), &set);
+    if (rc != 0) {
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        stop_ = true;
+      }
+      transport_->abort();
+      work_cv_.notify_all();
+      thread_.join();
+      throw EngineError("cannot pin the engine thread to the given CPUs: " + std::string(std::strerror(rc)));
+    }
+  }
+}
+
+Engine::~Engine() {
+  if (thread_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+    }
+    transport_->abort();
+    work_cv_.notify_all();
+    thread_.join();
+    if (fatal_ == ErrorKind::kNone) transport_->mark_exited(false, "the process left without calling shutdown()");
+  }
+}
+
+void Engine::throw_error(ErrorKind kind, const std::string& msg) const {
+  switch (kind) {
+    case ErrorKind::kPeerFailure: throw PeerFailure(msg);
+    case ErrorKind::kMismatch: throw Mismatch(msg);
+    case ErrorKind::kInvalid: throw std::invalid_argument(msg);
+    default: throw EngineError(msg);
+  }
+}
+
+uint64_t Engine::submit(Request req) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (fatal_ != ErrorKind::kNone) throw_error(fatal_, fatal_msg_);
+  if (shutdown_requested_ || stopped_) throw EngineError("fastxfer has been shut down; call init() again first");
+  req.id = next_id_++;
+  if (req.kind == CollectiveKind::kShutdown) shutdown_requested_ = true;
+  uint64_t id = req.id;
+  status_[id] = Status{};
+  queue_.push_back(std::make_unique<Request>(std::move(req)));
+  work_cv_.notify_one();
+  return id;
+}
+
+void Engine::wait(uint64_t id) {
+  std::unique_lock<std::mutex> lk(mu_);
+  auto it = status_.find(id);
+  if (it == status_.end()) throw std::invalid_argument("unknown or already released handle " + std::to_string(id));
+  done_cv_.wait(lk, [&] { return it->second.finished; });
+  if (it->second.error != ErrorKind::kNone) throw_error(it->second.error, it->second.message);
+}
+
+bool Engine::done(uint64_t id) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = status_.find(id);
+  return it == status_.end() || it->second.finished;
+}
+
+std::vector<uint64_t> Engine::take_finished() {
+  std::lock_guard<std::mutex> lk(mu_);
+  std::vector<uint64_t> out;
+  out.swap(finished_);
+  return out;
+}
+
+std::vector<char> Engine::take_gathered(uint64_t id, int64_t* rows) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = active_.find(id);
+  if (it == active_.end()) throw std::invalid_argument("no allgather result for handle " + std::to_string(id));
+  *rows = it->second->gathered_rows;
+  return std::move(it->second->gathered);
+}
+
+void Engine::release(uint64_t id) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = status_.find(id);
+  if (it != status_.end() && it->second.finished) {
+    status_.erase(it);
+    active_.erase(id);
+  }
+}
+
+bool Engine::running() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return !stopped_ && fatal_ == ErrorKind::kNone;
+}
+
+void Engine::finish(Request* r) {
+  std::lock_guard<std::mutex> lk(mu_);
+  status_[r->id].finished = true;
+  finished_.push_back(r->id);
+  done_cv_.notify_all();
+}
+
+void Engine::fail_all(ErrorKind kind, const std::string& msg) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (fatal_ == ErrorKind::kNone) {
+    fatal_ = kind;
+    fatal_msg_ = msg;
+  }
+  for (auto& kv : status_) {
+    if (!kv.second.finished) {
+      kv.second.finished = true;
+      kv.second.error = fatal_;
+      kv.second.message = fatal_msg_;
+      finished_.push_back(kv.first);
+    }
+  }
+  done_cv_.notify_all();
+}
+
+void Engine::loop() {
+  try {
+    for (;;) {
+      std::vector<Record> recs;
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        work_cv_.wait(lk, [&] { return !queue_.empty() || stop_; });
+        if (stop_) break;
+        size_t m = std::min(queue_.size(), static_cast<size_t>(cfg_.max_records));
+        for (size_t i = 0; i < m; ++i) recs.push_back(queue_[i]->rec);
+      }
+      auto all = transport_->exchange_records(recs);
+      size_t agreed = recs.size();
+      for (const auto& l : all) agreed = std::min(agreed, l.size());
+      for (size_t i = 0; i < agreed; ++i) {
+        for (size_t j = 1; j < all.size(); ++j) {
+          std::string diff = compare_records(all[0][i], 0, all[j][i], static_cast<int>(j));
+          if (!diff.empty())
+            throw Mismatch("collective #" + std::to_string(executed_ + i + 1) + ": " + diff +
+                           ". Every rank must issue the same collectives, with the same names, shapes, "
+                           "dtypes and options, in the same order.");
+        }
+      }
+      std::vector<Request*> batch;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        for (size_t i = 0; i < agreed; ++i) {
+          Request* r = queue_.front().get();
+          active_[r->id] = std::move(queue_.front());
+          queue_.pop_front();
+          batch.push_back(r);
+        }
+      }
+      run_batch(batch, all);
+      executed_ += agreed;
+      if (batch.back()->kind == CollectiveKind::kShutdown) break;
+    }
+  } catch (const PeerFailure& e) {
+    fail_all(ErrorKind::kPeerFailure, e.what());
+    transport_->mark_exited(false, e.what());
+  } catch (const Mismatch& e) {
+    fail_all(ErrorKind::kMismatch, e.what());
+    transport_->mark_exited(false, e.what());
+  } catch (const std::exception& e) {
+    fail_all(ErrorKind::kEngine, e.what());
+    transport_->mark_exited(false, e.what());
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  stopped_ = true;
+  done_cv_.notify_all();
+}
+
+void Engine::run_batch(const std::vector<Request*>& batch, const std::vector<std::vector<Record>>& all) {
+  for (size_t i = 0; i < batch.size();) {
+    Request* r = batch[i];
+    switch (r->kind) {
+      case CollectiveKind::kAllreduce: {
+        // Fuse the run of consecutive allreduces that can share a bucket.
+        size_t e = i + 1;
+        auto same = [&](const Request* a) {
+          return a->kind == CollectiveKind::kAllreduce && a->dtype == r->dtype && a->op == r->op &&
+                 a->compression == r->compression && a->prescale == r->prescale && a->postscale == r->postscale;
+        };
+        while (e < batch.size() && same(batch[e])) ++e;
+        std::vector<TensorSpec> specs;
+        for (size_t k = i; k < e; ++k) specs.push_back({batch[k]->numel, batch[k]->dtype});
+        BucketPlanner planner(cfg_.bucket_cap_bytes, cfg_.bucket_cap_bytes, r->compression);
+        for (const Bucket& b : planner.plan(specs)) {
+          AllreduceJob job{&b, {}, {}, r->op, r->prescale, r->postscale};
+          for (int t : b.tensors) {
+            job.srcs.push_back(batch[i + t]->in);
+            job.outs.push_back(batch[i + t]->out);
+          }
+          transport_->allreduce(job);
+          for (int t : b.tensors) finish(batch[i + t]);
+        }
+        i = e;
+        continue;
+      }
+      case CollectiveKind::kBroadcast:
+        transport_->broadcast(r->in, r->out, r->numel * dtype_size(r->dtype), r->root);
+        break;
+      case CollectiveKind::kAllgather: {
+        std::vector<size_t> bytes(all.size());
+        size_t total = 0;
+        int64_t rows = 0;
+        size_t idx = static_cast<size_t>(std::find(batch.begin(), batch.end(), r) - batch.begin());
+        for (size_t j = 0; j < all.size(); ++j) {
+          bytes[j] = record_numel(all[j][idx]) * dtype_size(r->dtype);
+          total += bytes[j];
+          rows += all[j][idx].ndim > 0 ? all[j][idx].shape[0] : 1;
+        }
+        r->gathered.resize(total);
+        r->gathered_rows = rows;
+        transport_->allgather(r->in, r->gathered.data(), bytes);
+        break;
+      }
+      case CollectiveKind::kBarrier:   // agreeing on it was the barrier: every rank had reached it
+      case CollectiveKind::kShutdown:  // likewise; the loop stops after this batch
+        break;
+    }
+    finish(r);
+    ++i;
+  }
+}
+
+void Engine::oob_allreduce(const Record& rec, const void* in, void* out, size_t n, DType dtype, ReduceOp op,
+                           double postscale) {
+  std::lock_guard<std::mutex> serial(oob_mu_);
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (fatal_ != ErrorKind::kNone) throw_error(fatal_, fatal_msg_);
+    if (stopped_ || shutdown_requested_) throw EngineError("fastxfer has been shut down; call init() again first");
+  }
+  try {
+    transport_->oob_allreduce(rec, in, out, n, dtype, op, postscale);
+  } catch (const PeerFailure& e) {
+    fail_all(ErrorKind::kPeerFailure, e.what());
+    transport_->mark_exited(false, e.what());
+    throw;
+  } catch (const Mismatch& e) {
+    fail_all(ErrorKind::kMismatch, e.what());
+    transport_->mark_exited(false, e.what());
+    throw;
+  }
+}
+
+void Engine::shutdown() {
+  bool healthy;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    healthy = fatal_ == ErrorKind::kNone && !stopped_ && !shutdown_requested_;
+  }
+  std::exception_ptr err;
+  if (healthy) {
+    try {
+      Request r;
+      r.kind = CollectiveKind::kShutdown;
+      r.rec = make_record(CollectiveKind::kShutdown, "shutdown", DType::kFloat32, {}, ReduceOp::kSum,
+                          Compression::kNone, 0, 1.0, 1.0);
+      wait(submit(std::move(r)));
+    } catch (...) {
+      err = std::current_exception();
+    }
+  }
+  if (thread_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+    }
+    work_cv_.notify_all();
+    if (!healthy || err) transport_->abort();
+    thread_.join();
+  }
+  // On failure the engine thread has already told the peers why; keep that message.
+  if (fatal_ == ErrorKind::kNone && !err) transport_->mark_exited(true, "shut down");
+  if (err) std::rethrow_exception(err);
+}
+
+}  // namespace fastxfer

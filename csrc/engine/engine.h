@@ -1,0 +1,106 @@
+// The engine: a background thread that takes collective requests in program order, agrees with
+// the other ranks on how many of them to run next, fuses consecutive allreduces into buckets and
+// drives the transport. Python threads only enqueue and wait; this thread never touches Python.
+#pragma once
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/collective.h"
+#include "transport/transport.h"
+
+namespace fastxfer {
+
+struct EngineConfig {
+  size_t bucket_cap_bytes = 25u << 20;
+  int max_records = 1024;       // requests agreed per round (must match the transport)
+  std::vector<int> cpus;        // pin the engine thread to these CPUs (empty: no pinning)
+};
+
+struct Request {
+  uint64_t id = 0;
+  CollectiveKind kind = CollectiveKind::kBarrier;
+  DType dtype = DType::kFloat32;
+  size_t numel = 0;
+  ReduceOp op = ReduceOp::kSum;
+  Compression compression = Compression::kNone;
+  int root = 0;
+  double prescale = 1.0, postscale = 1.0;
+  const void* in = nullptr;
+  void* out = nullptr;
+  Record rec{};
+  std::vector<char> gathered;  // allgather result (its size is only known once ranks agree)
+  int64_t gathered_rows = 0;
+};
+
+enum class ErrorKind : int { kNone = 0, kPeerFailure, kMismatch, kEngine, kInvalid };
+
+class Engine {
+ public:
+  Engine(std::unique_ptr<Transport> transport, const EngineConfig& cfg);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  int rank() const { return transport_->rank(); }
+  int size() const { return transport_->size(); }
+
+  // Queues a request (its `id` is assigned here) and returns at once. Throws the engine's error
+  // if it has already failed.
+  uint64_t submit(Request req);
+  // Blocks until request `id` is done; throws its error. Call without holding the GIL.
+  void wait(uint64_t id);
+  bool done(uint64_t id);
+  // Ids finished (or failed) since the last call: their buffers may be released.
+  std::vector<uint64_t> take_finished();
+  // Moves out an allgather result (after wait).
+  std::vector<char> take_gathered(uint64_t id, int64_t* rows);
+  // Forgets a waited-for request.
+  void release(uint64_t id);
+
+  // Runs on the calling thread, on the transport's out-of-band lane.
+  void oob_allreduce(const Record& rec, const void* in, void* out, size_t n, DType dtype, ReduceOp op,
+                     double postscale);
+  size_t oob_capacity() const { return transport_->oob_capacity(); }
+
+  // Collective: every rank must call it. Drains the queue, then stops the thread.
+  void shutdown();
+  bool running() const;
+
+ private:
+  struct Status {
+    bool finished = false;
+    ErrorKind error = ErrorKind::kNone;
+    std::string message;
+  };
+
+  void loop();
+  void run_batch(const std::vector<Request*>& batch, const std::vector<std::vector<Record>>& all);
+  void finish(Request* r);
+  void fail_all(ErrorKind kind, const std::string& msg);
+  [[noreturn]] void throw_error(ErrorKind kind, const std::string& msg) const;
+
+  std::unique_ptr<Transport> transport_;
+  EngineConfig cfg_;
+  mutable std::mutex mu_;
+  std::condition_variable work_cv_, done_cv_;
+  std::deque<std::unique_ptr<Request>> queue_;                   // submitted, not yet agreed
+  std::unordered_map<uint64_t, std::unique_ptr<Request>> active_;  // agreed or finished, not yet waited
+  std::unordered_map<uint64_t, Status> status_;
+  std::vector<uint64_t> finished_;
+  uint64_t next_id_ = 1;
+  uint64_t executed_ = 0;  // requests agreed and run (the same count on every rank)
+  bool stop_ = false, stopped_ = false, shutdown_requested_ = false;
+  ErrorKind fatal_ = ErrorKind::kNone;
+  std::string fatal_msg_;
+  std::mutex oob_mu_;
+  std::thread thread_;
+};
+
+}  // namespace fastxfer

@@ -1,0 +1,96 @@
+// Reduction kernels. They work on blocks of kBlock elements so the float32 accumulator stays in
+// L1 while the N inputs stream past it.
+#include "engine/reduce.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <type_traits>
+
+#include "compress/compress.h"
+
+namespace fastxfer {
+
+namespace {
+
+constexpr size_t kBlock = 2048;
+
+template <class T>
+inline T combine(ReduceOp op, T a, T b) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAverage: return a + b;
+    case ReduceOp::kMin:
+      if constexpr (std::is_floating_point_v<T>) return (a < b || std::isnan(a)) ? a : b;
+      else return a < b ? a : b;
+    case ReduceOp::kMax:
+      if constexpr (std::is_floating_point_v<T>) return (a > b || std::isnan(a)) ? a : b;
+      else return a > b ? a : b;
+  }
+  return a;
+}
+
+template <class T, class S>
+void reduce_native(ReduceOp op, const void* const* srcs, int nsrc, void* dst, size_t n, S scale) {
+  T acc[kBlock];
+  T* out = static_cast<T*>(dst);
+  for (size_t b = 0; b < n; b += kBlock) {
+    size_t m = std::min(kBlock, n - b);
+    std::memcpy(acc, static_cast<const T*>(srcs[0]) + b, m * sizeof(T));
+    for (int j = 1; j < nsrc; ++j) {
+      const T* s = static_cast<const T*>(srcs[j]) + b;
+      if (op == ReduceOp::kSum || op == ReduceOp::kAverage) {
+        for (size_t i = 0; i < m; ++i) acc[i] += s[i];
+      } else {
+        for (size_t i = 0; i < m; ++i) acc[i] = combine(op, acc[i], s[i]);
+      }
+    }
+    if (scale != S(1)) {
+      for (size_t i = 0; i < m; ++i) acc[i] = static_cast<T>(acc[i] * scale);
+    }
+    std::memcpy(out + b, acc, m * sizeof(T));
+  }
+}
+
+void reduce_16bit(ReduceOp op, const WireKernels& k, const void* const* srcs, int nsrc, void* dst, size_t n,
+                  float scale) {
+  float acc[kBlock], tmp[kBlock];
+  uint16_t* out = static_cast<uint16_t*>(dst);
+  for (size_t b = 0; b < n; b += kBlock) {
+    size_t m = std::min(kBlock, n - b);
+    k.decompress(static_cast<const uint16_t*>(srcs[0]) + b, acc, m, 1.0f);
+    for (int j = 1; j < nsrc; ++j) {
+      const uint16_t* s = static_cast<const uint16_t*>(srcs[j]) + b;
+      if (op == ReduceOp::kSum || op == ReduceOp::kAverage) {
+        k.accumulate(acc, s, m);
+      } else {
+        k.decompress(s, tmp, m, 1.0f);
+        for (size_t i = 0; i < m; ++i) acc[i] = combine(op, acc[i], tmp[i]);
+      }
+    }
+    k.compress(acc, out + b, m, scale);
+  }
+}
+
+}  // namespace
+
+void reduce_block(ReduceOp op, DType wire, const void* const* srcs, int nsrc, void* dst, size_t n, double scale) {
+  if (nsrc < 1) throw std::invalid_argument("reduce_block needs at least one source");
+  ScopedIeeeFpEnv env;
+  const CompressKernels& k = active_kernels();
+  switch (wire) {
+    case DType::kFloat32: reduce_native<float, float>(op, srcs, nsrc, dst, n, static_cast<float>(scale)); break;
+    case DType::kFloat64: reduce_native<double, double>(op, srcs, nsrc, dst, n, scale); break;
+    case DType::kInt32:
+    case DType::kInt64:
+      if (scale != 1.0) throw std::invalid_argument("integer reductions cannot be scaled (no integer average)");
+      if (wire == DType::kInt32) reduce_native<int32_t, int32_t>(op, srcs, nsrc, dst, n, 1);
+      else reduce_native<int64_t, int64_t>(op, srcs, nsrc, dst, n, 1);
+      break;
+    case DType::kBFloat16: reduce_16bit(op, k.bf16, srcs, nsrc, dst, n, static_cast<float>(scale)); break;
+    case DType::kFloat16: reduce_16bit(op, k.fp16, srcs, nsrc, dst, n, static_cast<float>(scale)); break;
+  }
+}
+
+}  // namespace fastxfer

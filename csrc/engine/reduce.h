@@ -1,0 +1,17 @@
+// Element-wise reduction of N ranks' shards (in the wire dtype) into one, in a fixed rank order.
+#pragma once
+#include <cstddef>
+
+#include "common/dtype.h"
+#include "engine/collective.h"
+
+namespace fastxfer {
+
+// dst[i] = scale * op(srcs[0][i], ..., srcs[nsrc-1][i]), all arrays of `wire` elements.
+// bf16/fp16 are decoded and combined in float32 and rounded once at the end (after scaling), so
+// an average never overflows fp16 on the way. Floats: sum/average add in rank order 0..N-1, so
+// the result does not depend on which rank computes it; min/max propagate NaN. Integers: scale
+// must be 1 (no integer average). dst may alias srcs[k] (each block is read before it is written).
+void reduce_block(ReduceOp op, DType wire, const void* const* srcs, int nsrc, void* dst, size_t n, double scale);
+
+}  // namespace fastxfer

@@ -1,0 +1,58 @@
+// The interface the engine drives: agree on what comes next, then move the bytes. One
+// implementation per folder (shm/ for ranks on one host; mpi/ between hosts).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "engine/collective.h"
+#include "fusion/bucket_planner.h"
+
+namespace fastxfer {
+
+// One fused allreduce: the tensors of `bucket` (srcs[j] -> outs[j]), reduced with `op`.
+// `prescale` multiplies the inputs while packing; `postscale` the reduced result before it is
+// rounded to the wire dtype (1/size for an average).
+struct AllreduceJob {
+  const Bucket* bucket;
+  std::vector<const void*> srcs;
+  std::vector<void*> outs;
+  ReduceOp op;
+  double prescale;
+  double postscale;
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  // Publishes this rank's records (the requests it has, in order, starting at the same global
+  // index on every rank) and returns every rank's list, indexed by rank.
+  virtual std::vector<std::vector<Record>> exchange_records(const std::vector<Record>& mine) = 0;
+
+  virtual void allreduce(const AllreduceJob& job) = 0;
+  // `nbytes` on every rank; `in` is read on the root only; `out` written everywhere.
+  virtual void broadcast(const void* in, void* out, size_t nbytes, int root) = 0;
+  // Concatenates every rank's bytes in rank order into `out` (bytes[j] from rank j).
+  virtual void allgather(const void* in, void* out, const std::vector<size_t>& bytes) = 0;
+
+  // Small, urgent reductions on a lane of their own (never behind a bucket): `in` -> `out`,
+  // both `n` elements of `dtype`. Runs on the calling thread.
+  virtual void oob_allreduce(const Record& rec, const void* in, void* out, size_t n, DType dtype, ReduceOp op,
+                             double postscale) = 0;
+
+  // Tells the peers this rank is leaving: cleanly (after a shutdown) or with an error message,
+  // so they fail fast instead of waiting for a timeout.
+  virtual void mark_exited(bool clean, const char* why) = 0;
+
+  // Largest message oob_allreduce accepts, in bytes.
+  virtual size_t oob_capacity() const = 0;
+
+  // Makes every wait in progress (and later) throw EngineError: used when the process tears the
+  // engine down without a collective shutdown.
+  virtual void abort() = 0;
+};
+
+}  // namespace fastxfer

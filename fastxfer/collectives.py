@@ -1,0 +1,193 @@
+"""Collectives on numpy arrays: allreduce (sync and async), oob_allreduce, broadcast, allgather,
+barrier. Every rank must issue the same collectives in the same order; names (automatic if not
+given) and shapes are checked, and a disagreement raises MismatchError on every rank."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import ml_dtypes
+import numpy as np
+
+from fastxfer import process_group
+
+_DTYPES = {np.dtype(t) for t in (np.float32, np.float64, np.float16, ml_dtypes.bfloat16, np.int32, np.int64)}
+_OPS = ("sum", "average", "min", "max")
+_COMPRESSIONS = {"none": "none", "bf16": "bf16", "fp16": "fp16", None: "none"}
+
+_lock = threading.Lock()
+_counters: dict[str, itertools.count] = {}
+_keepalive: dict[int, tuple] = {}  # buffers the engine may still read or write, by request id
+
+
+def _forget() -> None:
+    with _lock:
+        _counters.clear()
+        _keepalive.clear()
+
+
+def _auto_name(kind: str) -> str:
+    with _lock:
+        c = _counters.setdefault(kind, itertools.count())
+        return f"{kind}.{next(c)}"
+
+
+def _array(x, what: str = "array") -> np.ndarray:
+    if isinstance(x, np.ndarray):
+        a = x
+    else:
+        try:
+            a = np.asarray(x)
+        except Exception as e:  # noqa: BLE001 - report what numpy said
+            raise TypeError(f"{what} must be a numpy array or array-like: {e}") from None
+    if a.dtype not in _DTYPES:
+        raise TypeError(f"{what} has dtype {a.dtype.name}; fastxfer reduces float32, float64, float16, bfloat16, "
+                        "int32 and int64")
+    return np.ascontiguousarray(a)
+
+
+def _op(op: str) -> str:
+    if not isinstance(op, str) or op.lower() not in _OPS:
+        raise ValueError(f"op must be one of {', '.join(_OPS)}, not {op!r}")
+    return op.lower()
+
+
+def _sweep(eng) -> None:
+    for i in eng.take_finished():
+        _keepalive.pop(i, None)
+
+
+class Handle:
+    """A collective in flight. ``wait()`` blocks (without the GIL) and returns the result."""
+
+    __slots__ = ("_id", "_out", "_kind", "_shape", "_dtype", "_result", "_eng")
+
+    def __init__(self, eng, rid: int, out, kind: str, shape=None, dtype=None):
+        self._eng, self._id, self._out, self._kind, self._shape, self._dtype = eng, rid, out, kind, shape, dtype
+        self._result = None
+
+    def done(self) -> bool:
+        return self._result is not None or self._eng.done(self._id)
+
+    def wait(self) -> np.ndarray | None:
+        if self._result is not None:
+            return self._result
+        try:
+            self._eng.wait(self._id)
+            if self._kind == "allgather":
+                raw, rows = self._eng.take_gathered(self._id)
+                self._out = raw.view(self._dtype).reshape((rows,) + tuple(self._shape[1:]))
+        finally:
+            self._eng.release(self._id)
+            with _lock:
+                _keepalive.pop(self._id, None)
+        self._result = self._out if self._out is not None else ()
+        return self._out
+
+
+def _submit(kind: str, name, arr, out, op="sum", compression="none", root=0, prescale=1.0, postscale=1.0,
+            shape=None, dtype=None) -> Handle:
+    eng, _ = process_group._require()
+    if name is None:
+        name = _auto_name(kind)
+    elif not isinstance(name, str):
+        raise TypeError(f"name must be a str, not {type(name).__name__}")
+    with _lock:
+        _sweep(eng)
+        rid = eng.submit(kind, name, arr, out, op, compression, root, float(prescale), float(postscale))
+        _keepalive[rid] = (arr, out)
+    return Handle(eng, rid, out, kind, shape, dtype)
+
+
+def allreduce_async(array, op: str = "average", compression: str = "none", name: str | None = None,
+                    prescale: float = 1.0, postscale: float = 1.0) -> Handle:
+    """Start reducing ``array`` across all ranks; returns a Handle whose ``wait()`` gives a new array.
+
+    ``op``: sum, average, min or max. ``compression``: none, bf16 or fp16 — float32 only: the data
+    travels rounded to 16 bits and is reduced in float32 (results carry the 16-bit rounding error,
+    see docs/algorithms.md). ``prescale``/``postscale`` multiply before / after the reduction.
+    The input must stay unchanged until ``wait()`` returns.
+    """
+    a = _array(array)
+    op = _op(op)
+    if compression not in _COMPRESSIONS:
+        raise ValueError(f"compression must be 'none', 'bf16' or 'fp16', not {compression!r}")
+    compression = _COMPRESSIONS[compression]
+    if compression != "none" and a.dtype != np.float32:
+        raise ValueError(f"compression={compression!r} applies to float32 arrays; this one is {a.dtype.name}")
+    if a.dtype.kind == "i":
+        if op == "average":
+            raise TypeError(f"op='average' needs a floating dtype, not {a.dtype.name}: use op='sum' and divide")
+        if prescale != 1.0 or postscale != 1.0:
+            raise TypeError(f"{a.dtype.name} arrays cannot be scaled")
+    if a.dtype in (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)) and prescale != 1.0:
+        raise ValueError(f"prescale is not supported for {a.dtype.name} arrays (scale in float32 first)")
+    size = process_group.size()
+    post = postscale / size if op == "average" else postscale
+    out = np.empty_like(a)
+    return _submit("allreduce", name, a, out, op, compression, 0, prescale, post)
+
+
+def allreduce(array, op: str = "average", compression: str = "none", name: str | None = None,
+              prescale: float = 1.0, postscale: float = 1.0) -> np.ndarray:
+    """Reduce ``array`` across all ranks and return the result as a new array (see allreduce_async)."""
+    return allreduce_async(array, op, compression, name, prescale, postscale).wait()
+
+
+def oob_allreduce(array, op: str = "average", name: str | None = None) -> np.ndarray:
+    """Reduce a small array (metrics, flags) on a lane of its own: it never waits behind gradient
+    buckets. Runs on the calling thread; the GIL is released while waiting."""
+    eng, _ = process_group._require()
+    a = _array(array)
+    op = _op(op)
+    if a.dtype.kind == "i" and op == "average":
+        raise TypeError(f"op='average' needs a floating dtype, not {a.dtype.name}: use op='sum' and divide")
+    if a.nbytes > eng.oob_capacity:
+        raise ValueError(f"oob_allreduce is for small arrays (at most {eng.oob_capacity} bytes); this one has "
+                         f"{a.nbytes}: use allreduce")
+    out = np.empty_like(a)
+    post = 1.0 / process_group.size() if op == "average" else 1.0
+    eng.oob_allreduce(a, out, name if name is not None else _auto_name("oob_allreduce"), op, post)
+    return out
+
+
+def broadcast(array, root: int = 0, name: str | None = None) -> np.ndarray:
+    """Every rank gets a copy of ``root``'s array (shapes and dtypes must match on all ranks)."""
+    a = _array(array)
+    size = process_group.size()
+    if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < size:
+        raise ValueError(f"root must be a rank in 0..{size - 1}, not {root!r}")
+    out = np.empty_like(a)
+    return _submit("broadcast", name, a, out, root=int(root)).wait()
+
+
+def allgather(array, name: str | None = None) -> np.ndarray:
+    """Concatenate every rank's array along axis 0, in rank order. First dimensions may differ;
+    the other dimensions and the dtype must match."""
+    a = _array(array)
+    if a.ndim == 0:
+        raise ValueError("allgather needs at least one dimension (concatenates along axis 0); use a[None]")
+    return _submit("allgather", name, a, None, shape=a.shape, dtype=a.dtype).wait()
+
+
+def barrier() -> None:
+    """Returns once every rank has called barrier()."""
+    _submit("barrier", "barrier", None, None).wait()
+
+
+def broadcast_object(obj, root: int = 0):
+    """Broadcast a picklable Python object from ``root`` (small objects: options, epoch numbers)."""
+    import pickle
+
+    me = process_group.rank()
+    if me == root:
+        data = pickle.dumps(obj)
+        words = np.frombuffer(data + b"\0" * (-len(data) % 8), np.int64)
+    n = int(broadcast(np.array([len(data) if me == root else 0], np.int64), root=root)[0])
+    got = broadcast(words if me == root else np.zeros((n + 7) // 8, np.int64), root=root)
+    return obj if me == root else pickle.loads(got.tobytes()[:n])
+
+
+__all__ = ["Handle", "allgather", "allreduce", "allreduce_async", "barrier", "broadcast", "broadcast_object",
+           "oob_allreduce"]

@@ -1,0 +1,244 @@
+"""Joining the job: who am I, how many are we, who shares my host — and the engine behind it.
+
+The layout comes from whichever launcher started the process:
+
+==================  ==============================================================
+``fastxfer run``    FASTXFER_RANK, FASTXFER_SIZE, FASTXFER_LOCAL_RANK, FASTXFER_JOB_ID
+Open MPI mpirun     OMPI_COMM_WORLD_RANK / _SIZE (rendezvous through mpi4py)
+MPICH / PMI         PMI_RANK / PMI_SIZE (rendezvous through mpi4py)
+horovodrun (MPI)    HOROVOD_RANK / HOROVOD_SIZE (rendezvous through mpi4py)
+nothing             a single process: rank 0 of 1
+==================  ==============================================================
+
+Ranks that share a host are found by host identity (host name + kernel boot id), exchanged over
+MPI, never by trusting a LOCAL_SIZE variable.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import os
+import secrets
+import socket
+import threading
+
+from fastxfer import _core
+from fastxfer.errors import FastxferError
+
+ENV_PREFIX = "FASTXFER_"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    segment: str  # shared-memory segment name of this host's ranks
+    source: str   # which launcher the layout came from
+
+
+def host_identity() -> str:
+    """Host name plus the kernel's boot id: two containers with the same host name on different
+    machines differ, two processes on one machine agree."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _int_env(names: list[str]) -> int | None:
+    for n in names:
+        v = os.environ.get(n)
+        if v is not None and v.strip() != "":
+            try:
+                return int(v)
+            except ValueError:
+                raise FastxferError(f"environment variable {n}={v!r} is not an integer") from None
+    return None
+
+
+def _float_env(name: str, default: float) -> float:
+    v = os.environ.get(name)
+    if v is None or v.strip() == "":
+        return default
+    try:
+        f = float(v)
+    except ValueError:
+        raise FastxferError(f"environment variable {name}={v!r} is not a number") from None
+    if f <= 0:
+        raise FastxferError(f"environment variable {name}={v!r} must be positive")
+    return f
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11] (the sysfs cpulist form)."""
+    cpus: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            if "-" in part:
+                a, b = part.split("-", 1)
+                lo, hi = int(a), int(b)
+                if hi < lo:
+                    raise ValueError
+                cpus.extend(range(lo, hi + 1))
+            else:
+                cpus.append(int(part))
+        except ValueError:
+            raise FastxferError(f"bad CPU list {text!r}: expected items like 3 or 0-7, joined with ','") from None
+    return sorted(set(cpus))
+
+
+def _mpi_rendezvous(rank: int, size: int, source: str) -> Layout:
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise FastxferError(
+            f"this process was started by {source} as rank {rank} of {size}, and finding the other ranks "
+            "then needs mpi4py: pip install 'fastxfer[mpi]' (or start the job with `fastxfer run -np N`)"
+        ) from None
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() != size or comm.Get_rank() != rank:
+        raise FastxferError(f"{source} says rank {rank} of {size} but MPI says rank {comm.Get_rank()} of "
+                            f"{comm.Get_size()}")
+    hosts = comm.allgather(host_identity())
+    order = list(dict.fromkeys(hosts))  # hosts in order of their lowest rank
+    if len(order) > 1:
+        raise FastxferError(
+            f"the job spans {len(order)} hosts; this version of fastxfer reduces over shared memory within "
+            "one host only (the MPI transport between hosts is not built yet). Run one job per host.")
+    mine = [r for r, h in enumerate(hosts) if h == hosts[rank]]
+    token = comm.bcast(f"{os.getpid()}-{secrets.token_hex(16)}" if rank == 0 else None, root=0)
+    return Layout(rank, size, mine.index(rank), len(mine), f"/fastxfer-{token}-h{order.index(hosts[rank])}", source)
+
+
+def detect_layout() -> Layout:
+    env = os.environ
+    if "FASTXFER_RANK" in env or "FASTXFER_SIZE" in env:
+        rank, size = _int_env(["FASTXFER_RANK"]), _int_env(["FASTXFER_SIZE"])
+        job = env.get("FASTXFER_JOB_ID", "")
+        if rank is None or size is None or not job:
+            raise FastxferError("FASTXFER_RANK, FASTXFER_SIZE and FASTXFER_JOB_ID must all be set (by `fastxfer run`)")
+        if not 0 <= rank < size:
+            raise FastxferError(f"FASTXFER_RANK={rank} is outside 0..{size - 1}")
+        local_rank = _int_env(["FASTXFER_LOCAL_RANK"])
+        local_size = _int_env(["FASTXFER_LOCAL_SIZE"])
+        return Layout(rank, size, rank if local_rank is None else local_rank, size if local_size is None else local_size,
+                      f"/fastxfer-{job}", "fastxfer run")
+    for source, rank_vars, size_vars in (
+        ("Open MPI", ["OMPI_COMM_WORLD_RANK"], ["OMPI_COMM_WORLD_SIZE"]),
+        ("horovodrun", ["HOROVOD_RANK"], ["HOROVOD_SIZE"]),
+        ("MPICH/PMI", ["PMI_RANK", "PMIX_RANK"], ["PMI_SIZE"]),
+    ):
+        rank, size = _int_env(rank_vars), _int_env(size_vars)
+        if rank is not None and size is not None:
+            if size == 1:
+                break
+            return _mpi_rendezvous(rank, size, source)
+    return Layout(0, 1, 0, 1, f"/fastxfer-{os.getpid()}-{secrets.token_hex(16)}", "single process")
+
+
+_lock = threading.RLock()
+_engine: _core.Engine | None = None
+_layout: Layout | None = None
+
+
+def init(*, timeout: float | None = None, engine_cpus: list[int] | str | None = None,
+         bucket_cap_mb: float | None = None) -> None:
+    """Join the job. Calling it again while initialised does nothing.
+
+    ``timeout`` (s, default FASTXFER_TIMEOUT or 300): how long a peer may stay silent before the
+    others raise PeerFailureError (a peer that dies is noticed within a fraction of a second).
+    ``engine_cpus``: pin the engine thread (default FASTXFER_ENGINE_CPUS, else unpinned).
+    """
+    global _engine, _layout
+    with _lock:
+        if _engine is not None:
+            return
+        layout = detect_layout()
+        window = int(_float_env("FASTXFER_SHM_WINDOW_MB", 16) * (1 << 20))
+        oob = int(_float_env("FASTXFER_OOB_KB", 1024) * 1024)
+        cap = int((bucket_cap_mb if bucket_cap_mb is not None else _float_env("FASTXFER_BUCKET_CAP_MB", 25)) * (1 << 20))
+        if timeout is None:
+            timeout = _float_env("FASTXFER_TIMEOUT", 300)
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        threads = int(_float_env("FASTXFER_ENGINE_THREADS", 1))
+        if engine_cpus is None:
+            engine_cpus = os.environ.get("FASTXFER_ENGINE_CPUS", "")
+        cpus = parse_cpu_list(engine_cpus) if isinstance(engine_cpus, str) else sorted(set(int(c) for c in engine_cpus))
+        allowed = os.sched_getaffinity(0)
+        if any(c not in allowed for c in cpus):
+            raise ValueError(f"engine_cpus {cpus} are not all in this process's CPU set {sorted(allowed)}")
+        _engine = _core.Engine(layout.segment, layout.local_rank, layout.local_size, window, oob, float(timeout),
+                               _float_env("FASTXFER_ATTACH_TIMEOUT", 120), threads, cpus, cap, 1024)
+        _layout = layout
+
+
+def shutdown() -> None:
+    """Leave the job. Collective: returns once every rank has called it (or failed)."""
+    global _engine, _layout
+    with _lock:
+        eng = _engine
+        if eng is None:
+            return
+        try:
+            eng.shutdown()
+        finally:
+            _engine = None
+            _layout = None
+            from fastxfer import collectives
+
+            collectives._forget()
+
+
+def _atexit_shutdown() -> None:
+    # At interpreter exit, leave quietly: an error here would only hide the real one.
+    try:
+        shutdown()
+    except Exception:
+        pass
+
+
+atexit.register(_atexit_shutdown)
+
+
+def is_initialized() -> bool:
+    return _engine is not None
+
+
+def _require() -> tuple[_core.Engine, Layout]:
+    eng, layout = _engine, _layout
+    if eng is None or layout is None:
+        raise FastxferError("fastxfer is not initialised: call fastxfer.init() first")
+    return eng, layout
+
+
+def rank() -> int:
+    """This process's rank in the job (0 .. size()-1)."""
+    return _require()[1].rank
+
+
+def size() -> int:
+    """Number of processes in the job."""
+    return _require()[1].size
+
+
+def local_rank() -> int:
+    """Rank among the processes on this host."""
+    return _require()[1].local_rank
+
+
+def local_size() -> int:
+    """Number of processes on this host."""
+    return _require()[1].local_size
+
+
+def layout() -> Layout:
+    return _require()[1]
