@@ -26,7 +26,7 @@ from fastxfer.collectives import (Handle, allgather, allreduce, allreduce_async,
                                   broadcast_object, oob_allreduce)
 from fastxfer.compression import compress, decompress
 from fastxfer.errors import FastxferError, MismatchError, PeerFailureError
-from fastxfer.process_group import init, is_initialized, local_rank, local_size, rank, shutdown, size
+from fastxfer.process_group import engine_stats, init, is_initialized, local_rank, local_size, rank, shutdown, size
 
 __version__ = _core.__version__
 
@@ -54,6 +54,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "broadcast_object",
+    "engine_stats",
     "init",
     "is_initialized",
     "local_rank",

@@ -100,13 +100,24 @@ def _submit(kind: str, name, arr, out, op="sum", compression="none", root=0, pre
     return Handle(eng, rid, out, kind, shape, dtype)
 
 
+def _check_out(out, a: np.ndarray) -> np.ndarray:
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"out must be a numpy.ndarray, not {type(out).__name__}")
+    if out.dtype != a.dtype or out.shape != a.shape:
+        raise ValueError(f"out must be {a.dtype.name}{list(a.shape)}, not {out.dtype.name}{list(out.shape)}")
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError("out must be C-contiguous and writable")
+    return out
+
+
 def allreduce_async(array, op: str = "average", compression: str = "none", name: str | None = None,
-                    prescale: float = 1.0, postscale: float = 1.0) -> Handle:
+                    prescale: float = 1.0, postscale: float = 1.0, out: np.ndarray | None = None) -> Handle:
     """Start reducing ``array`` across all ranks; returns a Handle whose ``wait()`` gives a new array.
 
     ``op``: sum, average, min or max. ``compression``: none, bf16 or fp16 — float32 only: the data
     travels rounded to 16 bits and is reduced in float32 (results carry the 16-bit rounding error,
     see docs/algorithms.md). ``prescale``/``postscale`` multiply before / after the reduction.
+    ``out``: write the result there instead of a new array (``out=array`` reduces in place).
     The input must stay unchanged until ``wait()`` returns.
     """
     a = _array(array)
@@ -125,14 +136,14 @@ def allreduce_async(array, op: str = "average", compression: str = "none", name:
         raise ValueError(f"prescale is not supported for {a.dtype.name} arrays (scale in float32 first)")
     size = process_group.size()
     post = postscale / size if op == "average" else postscale
-    out = np.empty_like(a)
+    out = np.empty_like(a) if out is None else _check_out(out, a)
     return _submit("allreduce", name, a, out, op, compression, 0, prescale, post)
 
 
 def allreduce(array, op: str = "average", compression: str = "none", name: str | None = None,
-              prescale: float = 1.0, postscale: float = 1.0) -> np.ndarray:
-    """Reduce ``array`` across all ranks and return the result as a new array (see allreduce_async)."""
-    return allreduce_async(array, op, compression, name, prescale, postscale).wait()
+              prescale: float = 1.0, postscale: float = 1.0, out: np.ndarray | None = None) -> np.ndarray:
+    """Reduce ``array`` across all ranks and return the result (see allreduce_async)."""
+    return allreduce_async(array, op, compression, name, prescale, postscale, out).wait()
 
 
 def oob_allreduce(array, op: str = "average", name: str | None = None) -> np.ndarray:

@@ -240,5 +240,11 @@ def local_size() -> int:
     return _require()[1].local_size
 
 
+def engine_stats() -> dict:
+    """Cumulative seconds the engine spent packing, waiting for peers, reducing, unpacking and
+    negotiating, with chunk/round counts: where the communication time goes."""
+    return dict(_require()[0].stats())
+
+
 def layout() -> Layout:
     return _require()[1]

@@ -342,5 +342,19 @@ PYBIND11_MODULE(_core, m) {
             eng.oob_allreduce(rec, src, dst, n, dt, rop, postscale);
           },
           py::arg("input"), py::arg("output"), py::arg("name"), py::arg("op"), py::arg("postscale"))
+      .def("stats",
+           [](const Engine& eng) {
+             TransportStats s = eng.stats();
+             py::dict d;
+             d["pack_s"] = s.pack;
+             d["wait_s"] = s.wait;
+             d["reduce_s"] = s.reduce;
+             d["unpack_s"] = s.unpack;
+             d["negotiate_s"] = s.negotiate;
+             d["chunks"] = s.chunks;
+             d["rounds"] = s.rounds;
+             d["wire_bytes"] = s.bytes;
+             return d;
+           })
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>());
 }

@@ -110,6 +110,33 @@ void sum_compress(const uint16_t* a, const uint16_t* b, uint16_t* dst, size_t n)
   scalar_loops::sum_compress<typename C::Scalar>(a + i, b + i, dst + i, n - i);
 }
 
+template <class C>
+void sum2_direct(const float* own, const uint16_t* peer, uint16_t* dst, float* out, size_t n, float scale) {
+  const bool do_scale = scale != 1.0f;
+  const __m256 s = _mm256_set1_ps(scale);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_add_ps(C::dec(C::enc(_mm256_loadu_ps(own + i))), C::dec(load8(peer + i)));
+    __m128i d = C::enc(do_scale ? _mm256_mul_ps(v, s) : v);
+    store8(dst + i, d);
+    _mm256_storeu_ps(out + i, C::dec(d));
+  }
+  scalar_loops::sum2_direct<typename C::Scalar>(own + i, peer + i, dst + i, out + i, n - i, scale);
+}
+
+void sum2_f32(const float* a, const float* b, float* dst, float* out, size_t n, float scale) {
+  const bool do_scale = scale != 1.0f;
+  const __m256 s = _mm256_set1_ps(scale);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_add_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i));
+    if (do_scale) v = _mm256_mul_ps(v, s);
+    _mm256_storeu_ps(dst + i, v);
+    _mm256_storeu_ps(out + i, v);
+  }
+  scalar_loops::sum2_f32(a + i, b + i, dst + i, out + i, n - i, scale);
+}
+
 void scale_f32(const float* src, float* dst, size_t n, float scale) {
   size_t i = 0;
   if (scale == 1.0f) {
@@ -132,10 +159,11 @@ void accumulate_f32(float* acc, const float* src, size_t n) {
 
 const CompressKernels kAvx2Kernels = {
     "avx2",
-    {compress<Bf16>, decompress<Bf16>, accumulate<Bf16>, sum_compress<Bf16>},
-    {compress<Fp16>, decompress<Fp16>, accumulate<Fp16>, sum_compress<Fp16>},
+    {compress<Bf16>, decompress<Bf16>, accumulate<Bf16>, sum_compress<Bf16>, sum2_direct<Bf16>},
+    {compress<Fp16>, decompress<Fp16>, accumulate<Fp16>, sum_compress<Fp16>, sum2_direct<Fp16>},
     scale_f32,
     accumulate_f32,
+    sum2_f32,
 };
 
 }  // namespace fastxfer

@@ -156,6 +156,45 @@ void sum_compress(const uint16_t* a, const uint16_t* b, uint16_t* dst, size_t n)
   }
 }
 
+template <class C>
+void sum2_direct(const float* own, const uint16_t* peer, uint16_t* dst, float* out, size_t n, float scale) {
+  const bool do_scale = scale != 1.0f;
+  const __m512 s = _mm512_set1_ps(scale);
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512 v = _mm512_add_ps(C::dec(C::enc(_mm512_loadu_ps(own + i))), C::dec(load16(peer + i)));
+    __m256i d = C::enc(do_scale ? _mm512_mul_ps(v, s) : v);
+    store16(dst + i, d);
+    _mm512_storeu_ps(out + i, C::dec(d));
+  }
+  if (i < n) {
+    __mmask16 k = tail_mask(n - i);
+    __m512 v = _mm512_add_ps(C::dec(C::enc(_mm512_maskz_loadu_ps(k, own + i))), C::dec(load16(peer + i, k)));
+    __m256i d = C::enc(do_scale ? _mm512_mul_ps(v, s) : v);
+    store16(dst + i, d, k);
+    _mm512_mask_storeu_ps(out + i, k, C::dec(d));
+  }
+}
+
+void sum2_f32(const float* a, const float* b, float* dst, float* out, size_t n, float scale) {
+  const bool do_scale = scale != 1.0f;
+  const __m512 s = _mm512_set1_ps(scale);
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512 v = _mm512_add_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i));
+    if (do_scale) v = _mm512_mul_ps(v, s);
+    _mm512_storeu_ps(dst + i, v);
+    _mm512_storeu_ps(out + i, v);
+  }
+  if (i < n) {
+    __mmask16 k = tail_mask(n - i);
+    __m512 v = _mm512_add_ps(_mm512_maskz_loadu_ps(k, a + i), _mm512_maskz_loadu_ps(k, b + i));
+    if (do_scale) v = _mm512_mul_ps(v, s);
+    _mm512_mask_storeu_ps(dst + i, k, v);
+    _mm512_mask_storeu_ps(out + i, k, v);
+  }
+}
+
 void scale_f32(const float* src, float* dst, size_t n, float scale) {
   bool do_scale = scale != 1.0f;
   __m512 s = _mm512_set1_ps(scale);

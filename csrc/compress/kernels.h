@@ -16,6 +16,11 @@ struct WireKernels {
   void (*accumulate)(float* acc, const uint16_t* src, size_t n);
   // dst[i] = encode(decode(a[i]) + decode(b[i])): two ranks' compressed shards reduced in float32
   void (*sum_compress)(const uint16_t* a, const uint16_t* b, uint16_t* dst, size_t n);
+  // The two-rank reduce step in one pass: this rank's float32 value is rounded to the wire format
+  // (as packing would), added to the peer's wire value in float32, scaled, rounded:
+  //   dst[i] = encode(scale * (decode(encode(own[i])) + decode(peer[i])));  out[i] = decode(dst[i])
+  // (a + b == b + a exactly, so rank order does not matter with two ranks.)
+  void (*sum2_direct)(const float* own, const uint16_t* peer, uint16_t* dst, float* out, size_t n, float scale);
 };
 
 struct CompressKernels {
@@ -24,6 +29,8 @@ struct CompressKernels {
   WireKernels fp16;
   void (*scale_f32)(const float* src, float* dst, size_t n, float scale);  // copy when scale == 1
   void (*accumulate_f32)(float* acc, const float* src, size_t n);
+  // dst[i] = out[i] = scale * (a[i] + b[i]): the uncompressed two-rank reduce step in one pass
+  void (*sum2_f32)(const float* a, const float* b, float* dst, float* out, size_t n, float scale);
 };
 
 extern const CompressKernels kScalarKernels;

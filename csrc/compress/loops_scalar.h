@@ -42,6 +42,24 @@ template <class C>
 static inline void sum_compress(const uint16_t* a, const uint16_t* b, uint16_t* dst, size_t n) {
   for (size_t i = 0; i < n; ++i) dst[i] = C::enc(C::dec(a[i]) + C::dec(b[i]));
 }
+template <class C>
+static inline void sum2_direct(const float* own, const uint16_t* peer, uint16_t* dst, float* out, size_t n,
+                               float scale) {
+  for (size_t i = 0; i < n; ++i) {
+    float v = C::dec(C::enc(own[i])) + C::dec(peer[i]);
+    uint16_t d = C::enc(scale == 1.0f ? v : v * scale);
+    dst[i] = d;
+    out[i] = C::dec(d);
+  }
+}
+static inline void sum2_f32(const float* a, const float* b, float* dst, float* out, size_t n, float scale) {
+  for (size_t i = 0; i < n; ++i) {
+    float v = a[i] + b[i];
+    if (scale != 1.0f) v *= scale;
+    dst[i] = v;
+    out[i] = v;
+  }
+}
 static inline void scale_f32(const float* src, float* dst, size_t n, float scale) {
   if (scale == 1.0f) {
     for (size_t i = 0; i < n; ++i) dst[i] = src[i];

@@ -11,10 +11,11 @@ using namespace scalar_loops;
 
 const CompressKernels kScalarKernels = {
     "scalar",
-    {compress<Bf16>, decompress<Bf16>, accumulate<Bf16>, sum_compress<Bf16>},
-    {compress<Fp16>, decompress<Fp16>, accumulate<Fp16>, sum_compress<Fp16>},
+    {compress<Bf16>, decompress<Bf16>, accumulate<Bf16>, sum_compress<Bf16>, sum2_direct<Bf16>},
+    {compress<Fp16>, decompress<Fp16>, accumulate<Fp16>, sum_compress<Fp16>, sum2_direct<Fp16>},
     scale_f32,
     accumulate_f32,
+    sum2_f32,
 };
 
 }  // namespace fastxfer

@@ -180,9 +180,11 @@ void Engine::loop() {
           batch.push_back(r);
         }
       }
+      // Read before running: once a request is finished, the waiting thread may release it.
+      const bool last = batch.back()->kind == CollectiveKind::kShutdown;
       run_batch(batch, all);
       executed_ += agreed;
-      if (batch.back()->kind == CollectiveKind::kShutdown) break;
+      if (last) break;
     }
   } catch (const PeerFailure& e) {
     fail_all(ErrorKind::kPeerFailure, e.what());
@@ -199,6 +201,7 @@ void Engine::loop() {
   done_cv_.notify_all();
 }
 
+// A request must not be touched after finish(r): its waiter may release it at once.
 void Engine::run_batch(const std::vector<Request*>& batch, const std::vector<std::vector<Record>>& all) {
   for (size_t i = 0; i < batch.size();) {
     Request* r = batch[i];
@@ -233,11 +236,10 @@ void Engine::run_batch(const std::vector<Request*>& batch, const std::vector<std
         std::vector<size_t> bytes(all.size());
         size_t total = 0;
         int64_t rows = 0;
-        size_t idx = static_cast<size_t>(std::find(batch.begin(), batch.end(), r) - batch.begin());
         for (size_t j = 0; j < all.size(); ++j) {
-          bytes[j] = record_numel(all[j][idx]) * dtype_size(r->dtype);
+          bytes[j] = record_numel(all[j][i]) * dtype_size(r->dtype);
           total += bytes[j];
-          rows += all[j][idx].ndim > 0 ? all[j][idx].shape[0] : 1;
+          rows += all[j][i].ndim > 0 ? all[j][i].shape[0] : 1;
         }
         r->gathered.resize(total);
         r->gathered_rows = rows;

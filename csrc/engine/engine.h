@@ -72,6 +72,8 @@ class Engine {
   // Collective: every rank must call it. Drains the queue, then stops the thread.
   void shutdown();
   bool running() const;
+  // Read while the engine runs: approximate (not synchronised with the engine thread).
+  TransportStats stats() const { return transport_->stats(); }
 
  private:
   struct Status {

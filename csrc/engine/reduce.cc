@@ -73,7 +73,87 @@ void reduce_16bit(ReduceOp op, const WireKernels& k, const void* const* srcs, in
   }
 }
 
+template <class T, class S>
+void reduce_native_direct(ReduceOp op, const void* const* srcs, int nsrc, void* dst, void* out, size_t n, S scale) {
+  T acc[kBlock];
+  for (size_t b = 0; b < n; b += kBlock) {
+    size_t m = std::min(kBlock, n - b);
+    std::memcpy(acc, static_cast<const T*>(srcs[0]) + b, m * sizeof(T));
+    for (int j = 1; j < nsrc; ++j) {
+      const T* s = static_cast<const T*>(srcs[j]) + b;
+      if (op == ReduceOp::kSum || op == ReduceOp::kAverage) {
+        for (size_t i = 0; i < m; ++i) acc[i] += s[i];
+      } else {
+        for (size_t i = 0; i < m; ++i) acc[i] = combine(op, acc[i], s[i]);
+      }
+    }
+    if (scale != S(1)) {
+      for (size_t i = 0; i < m; ++i) acc[i] = static_cast<T>(acc[i] * scale);
+    }
+    std::memcpy(static_cast<T*>(dst) + b, acc, m * sizeof(T));
+    std::memcpy(static_cast<T*>(out) + b, acc, m * sizeof(T));
+  }
+}
+
+// Wire bf16/fp16, own contribution float32 (rounded here), output float32.
+void reduce_16bit_direct(ReduceOp op, const WireKernels& k, const void* const* srcs, int nsrc, int self, void* dst,
+                         void* out, size_t n, float scale) {
+  float acc[kBlock], tmp[kBlock];
+  uint16_t own16[kBlock];
+  uint16_t* d = static_cast<uint16_t*>(dst);
+  float* o = static_cast<float*>(out);
+  for (size_t b = 0; b < n; b += kBlock) {
+    size_t m = std::min(kBlock, n - b);
+    k.compress(static_cast<const float*>(srcs[self]) + b, own16, m, 1.0f);
+    for (int j = 0; j < nsrc; ++j) {
+      const uint16_t* s = j == self ? own16 : static_cast<const uint16_t*>(srcs[j]) + b;
+      if (j == 0) {
+        k.decompress(s, acc, m, 1.0f);
+      } else if (op == ReduceOp::kSum || op == ReduceOp::kAverage) {
+        k.accumulate(acc, s, m);
+      } else {
+        k.decompress(s, tmp, m, 1.0f);
+        for (size_t i = 0; i < m; ++i) acc[i] = combine(op, acc[i], tmp[i]);
+      }
+    }
+    k.compress(acc, d + b, m, scale);
+    k.decompress(d + b, o + b, m, 1.0f);
+  }
+}
+
 }  // namespace
+
+void reduce_block_direct(ReduceOp op, DType wire, DType own, const void* const* srcs, int nsrc, int self,
+                         void* dst, void* out, size_t n, double scale) {
+  if (nsrc < 1 || self < 0 || self >= nsrc) throw std::invalid_argument("reduce_block_direct: bad source index");
+  ScopedIeeeFpEnv env;
+  const CompressKernels& k = active_kernels();
+  const bool sum2 = nsrc == 2 && (op == ReduceOp::kSum || op == ReduceOp::kAverage);
+  if (sum2 && own == DType::kFloat32) {
+    // the common two-rank case: one fused pass (float addition of two values is commutative)
+    const float* peer = static_cast<const float*>(srcs[1 - self]);
+    if (wire == DType::kFloat32)
+      return k.sum2_f32(static_cast<const float*>(srcs[self]), peer, static_cast<float*>(dst),
+                        static_cast<float*>(out), n, static_cast<float>(scale));
+    if (wire == DType::kBFloat16 || wire == DType::kFloat16)
+      return (wire == DType::kBFloat16 ? k.bf16 : k.fp16)
+          .sum2_direct(static_cast<const float*>(srcs[self]), static_cast<const uint16_t*>(srcs[1 - self]),
+                       static_cast<uint16_t*>(dst), static_cast<float*>(out), n, static_cast<float>(scale));
+  }
+  if (own == wire) {
+    switch (wire) {
+      case DType::kFloat32:
+        return reduce_native_direct<float, float>(op, srcs, nsrc, dst, out, n, static_cast<float>(scale));
+      case DType::kFloat64: return reduce_native_direct<double, double>(op, srcs, nsrc, dst, out, n, scale);
+      default: break;
+    }
+  } else if (own == DType::kFloat32 && (wire == DType::kBFloat16 || wire == DType::kFloat16)) {
+    return reduce_16bit_direct(op, wire == DType::kBFloat16 ? k.bf16 : k.fp16, srcs, nsrc, self, dst, out, n,
+                               static_cast<float>(scale));
+  }
+  throw std::invalid_argument(std::string("reduce_block_direct does not handle ") + dtype_name(own) + " on a " +
+                              dtype_name(wire) + " wire");
+}
 
 void reduce_block(ReduceOp op, DType wire, const void* const* srcs, int nsrc, void* dst, size_t n, double scale) {
   if (nsrc < 1) throw std::invalid_argument("reduce_block needs at least one source");

@@ -128,6 +128,15 @@ void unpack_range(const Bucket& bucket, const void* src, const std::vector<void*
   });
 }
 
+std::vector<Segment> segments(const Bucket& bucket, size_t lo, size_t hi) {
+  check_range(bucket, lo, hi);
+  std::vector<Segment> out;
+  walk(
+      bucket, lo, hi, [&](size_t j, size_t b, size_t e, size_t p) { out.push_back({j, b, p, e - b}); },
+      [](size_t, size_t) {});
+  return out;
+}
+
 void pack(const Bucket& bucket, const std::vector<const void*>& srcs, void* dst, double scale, int threads) {
   pack_range(bucket, srcs, dst, 0, bucket.numel, scale, threads);
 }

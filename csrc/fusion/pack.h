@@ -24,4 +24,13 @@ void pack_range(const Bucket& bucket, const std::vector<const void*>& srcs, void
 void unpack_range(const Bucket& bucket, const void* src, const std::vector<void*>& dsts, size_t lo, size_t hi,
                   double scale, int threads);
 
+// The pieces of tensors that fall inside packed range [lo, hi), in order (padding left out).
+struct Segment {
+  size_t tensor;   // index into the bucket's tensors
+  size_t begin;    // first element of that tensor
+  size_t packed;   // its packed offset
+  size_t count;
+};
+std::vector<Segment> segments(const Bucket& bucket, size_t lo, size_t hi);
+
 }  // namespace fastxfer

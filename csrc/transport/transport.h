@@ -22,6 +22,12 @@ struct AllreduceJob {
   double postscale;
 };
 
+// Where the transport's time went, cumulative since start (seconds), for profiling.
+struct TransportStats {
+  double pack = 0, wait = 0, reduce = 0, unpack = 0, negotiate = 0, copy = 0;
+  uint64_t chunks = 0, rounds = 0, bytes = 0;
+};
+
 class Transport {
  public:
   virtual ~Transport() = default;
@@ -53,6 +59,8 @@ class Transport {
   // Makes every wait in progress (and later) throw EngineError: used when the process tears the
   // engine down without a collective shutdown.
   virtual void abort() = 0;
+
+  virtual TransportStats stats() const = 0;
 };
 
 }  // namespace fastxfer

@@ -212,10 +212,19 @@ void ShmTransport::check_peers(int waiting_for, const char* phase, double waited
     if (st != 2 && !shm::process_alive(c.pid))
       throw PeerFailure("rank " + std::to_string(j) + " (pid " + std::to_string(c.pid.pid) + ") died during " + phase);
   }
-  if (waited_s > cfg_.timeout_s)
+  if (waited_s > cfg_.timeout_s) {
+    const Control& me = ctl(cfg_.rank);
+    const Control& them = ctl(waiting_for);
+    auto counters = [](const Control& c) {
+      return "ready=" + std::to_string(c.ready.value.load()) + " reduced=" + std::to_string(c.reduced.value.load()) +
+             " consumed=" + std::to_string(c.consumed.value.load()) + " round=" + std::to_string(c.round.value.load());
+    };
     throw PeerFailure("rank " + std::to_string(waiting_for) + " did not answer within " +
                       std::to_string(static_cast<int>(cfg_.timeout_s)) + " s (" + phase +
-                      "); raise FASTXFER_TIMEOUT if ranks legitimately drift apart this far");
+                      "); raise FASTXFER_TIMEOUT if ranks legitimately drift apart this far [rank " +
+                      std::to_string(cfg_.rank) + ": " + counters(me) + "; rank " + std::to_string(waiting_for) +
+                      ": " + counters(them) + "]");
+  }
 }
 
 void ShmTransport::wait_one(int j, shm::Counter Control::*which, uint32_t target, const char* phase) {
@@ -243,6 +252,7 @@ void ShmTransport::wait_all(shm::Counter Control::*which, uint32_t target, const
 std::vector<std::vector<Record>> ShmTransport::exchange_records(const std::vector<Record>& mine) {
   if (mine.size() > static_cast<size_t>(cfg_.max_records))
     throw std::invalid_argument("too many records for one round");
+  double t0 = now_s();
   int buf = round_ & 1;
   std::memcpy(records(cfg_.rank, buf), mine.data(), mine.size() * sizeof(Record));
   *record_count(cfg_.rank, buf) = static_cast<uint32_t>(mine.size());
@@ -256,6 +266,8 @@ std::vector<std::vector<Record>> ShmTransport::exchange_records(const std::vecto
   // Double-buffered: a peer rewrites this buffer two rounds from now, which it can only reach
   // after every rank (us included) has published round_ + 2, i.e. finished reading this one.
   ++round_;
+  ++stats_.rounds;
+  stats_.negotiate += now_s() - t0;
   return all;
 }
 
@@ -264,6 +276,12 @@ void ShmTransport::allreduce(const AllreduceJob& job) {
   const int n_ranks = cfg_.size, me = cfg_.rank;
   const size_t es = dtype_size(b.wire_dtype);
   const size_t align = 64 / es;
+  const size_t own_es = dtype_size(b.dtype);
+  // Read my own contribution straight from my tensors when no pre-scaling is needed and the
+  // reduction kernel has a direct form for this dtype pair.
+  const bool direct = job.prescale == 1.0 &&
+                      ((b.dtype == b.wire_dtype && (b.dtype == DType::kFloat32 || b.dtype == DType::kFloat64)) ||
+                       (b.dtype == DType::kFloat32 && b.wire_dtype != DType::kFloat32));
   // Chunk: half a window, split into one 64-byte-aligned shard per rank.
   const size_t chunk = (cfg_.window_bytes / 2 / es) / (n_ranks * align) * (n_ranks * align);
   std::vector<const void*> srcs(n_ranks);
@@ -276,28 +294,58 @@ void ShmTransport::allreduce(const AllreduceJob& job) {
     const int half = g & 1;
     // 1. This half was last used two chunks ago: wait until every rank has finished reading it.
     if (g >= 2) wait_all(&Control::consumed, g - 1, "allreduce (window reuse)");
-    // 2. Pack (compress, pre-scale) my part of the bucket straight into my window half.
+    // 2. Pack (compress, pre-scale) the bucket straight into my window half. With `direct`, my
+    //    own shard is skipped: only I read it, so step 3 takes it from my tensors instead.
+    double t0 = now_s();
     char* mine = window(me, half);
-    pack_range(b, job.srcs, mine, lo, hi, job.prescale, cfg_.threads);
+    const size_t my_lo = lo + shard_lo(me), my_hi = lo + shard_hi(me);
+    if (direct) {
+      if (my_lo > lo) pack_range(b, job.srcs, mine, lo, my_lo, job.prescale, cfg_.threads);
+      if (hi > my_hi) pack_range(b, job.srcs, mine + (my_hi - lo) * es, my_hi, hi, job.prescale, cfg_.threads);
+    } else {
+      pack_range(b, job.srcs, mine, lo, hi, job.prescale, cfg_.threads);
+    }
+    double t1 = now_s();
+    stats_.pack += t1 - t0;
     shm::publish(ctl(me).ready, g + 1);
     // 3. Reduce-scatter: once everyone's chunk is in, reduce my shard across all ranks (rank
-    //    order 0..N-1) and write it over my own copy of that shard.
+    //    order 0..N-1) and write it over my own copy of that shard (and, with `direct`, into my
+    //    output tensors as well).
     wait_all(&Control::ready, g + 1, "allreduce (reduce-scatter)");
-    if (shard_lo(me) < shard_hi(me)) {
-      for (int j = 0; j < n_ranks; ++j) srcs[j] = window(j, half) + shard_lo(me) * es;
-      reduce_block(job.op, b.wire_dtype, srcs.data(), n_ranks, mine + shard_lo(me) * es,
-                   shard_hi(me) - shard_lo(me), job.postscale);
+    double t2 = now_s();
+    stats_.wait += t2 - t1;
+    if (my_lo < my_hi) {
+      if (direct) {
+        for (const Segment& sg : segments(b, my_lo, my_hi)) {
+          for (int j = 0; j < n_ranks; ++j) srcs[j] = window(j, half) + (sg.packed - lo) * es;
+          srcs[me] = static_cast<const char*>(job.srcs[sg.tensor]) + sg.begin * own_es;
+          reduce_block_direct(job.op, b.wire_dtype, b.dtype, srcs.data(), n_ranks, me, mine + (sg.packed - lo) * es,
+                              static_cast<char*>(job.outs[sg.tensor]) + sg.begin * own_es, sg.count, job.postscale);
+        }
+      } else {
+        for (int j = 0; j < n_ranks; ++j) srcs[j] = window(j, half) + shard_lo(me) * es;
+        reduce_block(job.op, b.wire_dtype, srcs.data(), n_ranks, mine + shard_lo(me) * es, my_hi - my_lo,
+                     job.postscale);
+      }
     }
+    double t3 = now_s();
+    stats_.reduce += t3 - t2;
     shm::publish(ctl(me).reduced, g + 1);
     // 4. Allgather: copy every rank's reduced shard out of its window into the output tensors
-    //    (decompressing on the way), starting with my own, which is ready.
-    for (int k = 0; k < n_ranks; ++k) {
+    //    (decompressing on the way), my own first unless step 3 already wrote it.
+    for (int k = direct ? 1 : 0; k < n_ranks; ++k) {
       int j = (me + k) % n_ranks;
       if (shard_lo(j) >= shard_hi(j)) continue;
+      double tw = now_s();
       if (j != me) wait_one(j, &Control::reduced, g + 1, "allreduce (allgather)");
+      double tu = now_s();
+      stats_.wait += tu - tw;
       unpack_range(b, window(j, half) + shard_lo(j) * es, job.outs, lo + shard_lo(j), lo + shard_hi(j), 1.0,
                    cfg_.threads);
+      stats_.unpack += now_s() - tu;
     }
+    ++stats_.chunks;
+    stats_.bytes += m * es;
     shm::publish(ctl(me).consumed, g + 1);
     ++chunk_;
   }

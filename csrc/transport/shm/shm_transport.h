@@ -41,6 +41,7 @@ class ShmTransport : public Transport {
   void mark_exited(bool clean, const char* why) override;
   size_t oob_capacity() const override { return cfg_.oob_bytes - sizeof(Record); }
   void abort() override { aborted_.store(true); }
+  TransportStats stats() const override { return stats_; }
   int max_records() const { return cfg_.max_records; }
 
  private:
@@ -67,6 +68,7 @@ class ShmTransport : public Transport {
   uint32_t round_ = 0;   // negotiation rounds done
   uint32_t oob_seq_ = 0; // out-of-band reductions done
   std::atomic<bool> aborted_{false};
+  TransportStats stats_;
 };
 
 }  // namespace fastxfer
