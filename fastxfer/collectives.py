@@ -44,7 +44,7 @@ def _array(x, what: str = "array") -> np.ndarray:
     if a.dtype not in _DTYPES:
         raise TypeError(f"{what} has dtype {a.dtype.name}; fastxfer reduces float32, float64, float16, bfloat16, "
                         "int32 and int64")
-    return np.ascontiguousarray(a)
+    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
 
 def _op(op: str) -> str:

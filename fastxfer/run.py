@@ -92,6 +92,7 @@ class Job:
         self.pumps: list[threading.Thread] = []
         self.lock = threading.Lock()
         self.interrupted: int | None = None
+        self.exit_times: dict[int, float] = {}  # rank -> when it exited (a waiter thread per rank)
 
     def _env(self, rank: int) -> dict[str, str]:
         env = dict(os.environ)
@@ -116,11 +117,27 @@ class Job:
                 self.signal_all(signal.SIGKILL)
                 raise SystemExit(f"fastxfer run: cannot start {self.command[0]!r}: {e.strerror}") from None
             self.procs.append(p)
+            waiter = threading.Thread(target=self._wait_one, args=(r, p), daemon=True)
+            waiter.start()
             prefix = f"[{r:>{width}}] ".encode()
             for stream, out in ((p.stdout, sys.stdout.buffer), (p.stderr, sys.stderr.buffer)):
                 t = threading.Thread(target=_pump, args=(stream, out, prefix, self.lock), daemon=True)
                 t.start()
                 self.pumps.append(t)
+
+    def _wait_one(self, rank: int, p: subprocess.Popen) -> None:
+        p.wait()
+        with self.lock:
+            self.exit_times[rank] = time.monotonic()
+
+    def _first_failure(self) -> tuple[int, int] | None:
+        """The failed rank that exited earliest (its peers' PeerFailureErrors come after)."""
+        with self.lock:
+            failed = [(t, r) for r, t in self.exit_times.items() if self.procs[r].returncode not in (None, 0)]
+        if not failed:
+            return None
+        _, r = min(failed)
+        return r, self.procs[r].returncode
 
     def signal_all(self, sig: int) -> None:
         for p in self.procs:
@@ -135,20 +152,18 @@ class Job:
 
     def wait(self) -> int:
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        first: tuple[int, int] | None = None  # (rank, returncode) of the first failure
         stop_at = term_at = kill_at = None
         try:
-            while any(p.poll() is None for p in self.procs):
+            while len(self.exit_times) < len(self.procs):
                 now = time.monotonic()
-                if first is None:
-                    for r, p in enumerate(self.procs):
-                        if p.returncode not in (None, 0):
-                            first = (r, p.returncode)
-                            with self.lock:
-                                print(f"fastxfer run: rank {r} failed ({describe_exit(p.returncode)}); "
-                                      f"giving the other ranks {self.grace:g} s to stop", file=sys.stderr, flush=True)
-                            stop_at = now + self.grace
-                            break
+                if stop_at is None:
+                    failure = self._first_failure()
+                    if failure is not None:
+                        r, code = failure
+                        with self.lock:
+                            print(f"fastxfer run: rank {r} failed ({describe_exit(code)}); "
+                                  f"giving the other ranks {self.grace:g} s to stop", file=sys.stderr, flush=True)
+                        stop_at = now + self.grace
                 if self.interrupted is not None and term_at is None:
                     stop_at = now
                 if stop_at is not None and now >= stop_at and term_at is None:
@@ -165,11 +180,7 @@ class Job:
             for s, h in old.items():
                 signal.signal(s, h)
             remove_job_segments(self.job_id)
-        if first is None:
-            for r, p in enumerate(self.procs):
-                if p.returncode != 0:
-                    first = (r, p.returncode)
-                    break
+        first = self._first_failure()
         if self.interrupted is not None:
             print(f"fastxfer run: interrupted by {signal.Signals(self.interrupted).name}; stopped all ranks",
                   file=sys.stderr, flush=True)

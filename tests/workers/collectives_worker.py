@@ -1,0 +1,236 @@
+"""Worker for tests/test_collectives.py, started by `fastxfer run`. One mode per invocation;
+every check asserts exact values and the worker prints 'OK <mode> <details>' on success."""
+
+import os
+import sys
+import time
+
+import ml_dtypes
+import numpy as np
+
+import fastxfer as fx
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), BF16, np.dtype(np.int32),
+          np.dtype(np.int64)]
+
+
+def inputs(rank, n, dtype, seed=0):
+    """Small integers: every sum, min and max below is exact in every dtype (|sum| <= 4 * 8 < 256)."""
+    rng = np.random.default_rng(1000 * seed + rank)
+    return rng.integers(-8, 9, size=n).astype(dtype)
+
+
+def sweep():
+    r, n_ranks = fx.rank(), fx.size()
+    sizes = [0, 1, 1001, 300_001]  # the last is larger than the test's window and bucket cap
+    checked = 0
+    for dtype in DTYPES:
+        for op in ("sum", "average", "min", "max"):
+            if op == "average" and dtype.kind == "i":
+                continue
+            for n in sizes:
+                if n == 300_001 and dtype not in (np.dtype(np.float32), np.dtype(np.int64), BF16):
+                    continue  # keep the sweep short; large sizes on three representative dtypes
+                xs = [inputs(j, n, dtype, seed=checked) for j in range(n_ranks)]
+                stacked = np.stack([x.astype(np.float64) for x in xs])
+                want = {"sum": stacked.sum(0), "average": stacked.sum(0), "min": stacked.min(0),
+                        "max": stacked.max(0)}[op]
+                got = fx.allreduce(xs[r], op=op)
+                assert got.dtype == dtype and got.shape == (n,), (got.dtype, got.shape)
+                want_t = want.astype(dtype)
+                if op == "average":
+                    # average = sum * (1/size), multiplied in the dtype (float32 for 16-bit dtypes)
+                    calc = np.float64 if dtype == np.float64 else np.float32
+                    want_t = (want.astype(calc) * calc(1 / n_ranks)).astype(dtype)
+                bad = np.count_nonzero(got.astype(np.float64) != want_t.astype(np.float64))
+                assert bad == 0, f"{dtype.name} {op} n={n}: {bad} wrong, e.g. {got[:5]} vs {want_t[:5]}"
+                checked += 1
+    print(f"OK sweep {checked} cases on rank {r}")
+
+
+def compressed():
+    r, n_ranks = fx.rank(), fx.size()
+    rng = np.random.default_rng(7)
+    for kind, wire in (("bf16", BF16), ("fp16", np.dtype(np.float16))):
+        for n in (1, 1001, 300_001):
+            xs = [rng.standard_normal(n).astype(np.float32) for _ in range(n_ranks)]
+            for op in ("sum", "average"):
+                got = fx.allreduce(xs[r], op=op, compression=kind)
+                # The exact contract: every input rounded to the wire format, summed in float32 in
+                # rank order, scaled (1/size for average), rounded once more, widened back.
+                acc = xs[0].astype(wire).astype(np.float32)
+                for x in xs[1:]:
+                    acc = acc + x.astype(wire).astype(np.float32)
+                if op == "average":
+                    acc = acc * np.float32(1 / n_ranks)
+                want = acc.astype(wire).astype(np.float32)
+                assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), f"{kind} {op} n={n}"
+                # and the stated tolerance against the exact float64 result
+                exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
+                if op == "average":
+                    exact /= n_ranks
+                scale = np.abs(np.stack(xs)).sum(0) / (n_ranks if op == "average" else 1)
+                eps = 2.0 ** -8 if kind == "bf16" else 2.0 ** -11
+                assert np.all(np.abs(got - exact) <= (n_ranks + 1) * eps * scale + 1e-30), f"{kind} tolerance"
+    print(f"OK compressed on rank {r}")
+
+
+def collectives():
+    r, n_ranks = fx.rank(), fx.size()
+    # broadcast from every root, several dtypes, larger than the window
+    for root in range(n_ranks):
+        for dtype in (np.float32, np.int64, BF16):
+            x = (np.arange(200_003) * (root + 1)).astype(dtype) if r == root else np.zeros(200_003, dtype)
+            got = fx.broadcast(x, root=root)
+            assert np.array_equal(got, (np.arange(200_003) * (root + 1)).astype(dtype))
+    # allgather with a different first dimension per rank (rank j contributes j rows, so rank 0 none)
+    for rows_of in (lambda j: j, lambda j: 70_000 + j):
+        mine = np.full((rows_of(r), 3), r, np.int32)
+        got = fx.allgather(mine)
+        want = np.concatenate([np.full((rows_of(j), 3), j, np.int32) for j in range(n_ranks)])
+        assert got.shape == want.shape and np.array_equal(got, want), (got.shape, want.shape)
+    # async handles complete out of the caller's sight; many small tensors are fused
+    hs = [fx.allreduce_async(np.full(37 + i, i + r, np.float32), op="sum", name=f"g{i}") for i in range(200)]
+    for i, h in enumerate(hs):
+        assert np.all(h.wait() == sum(i + j for j in range(n_ranks)))
+    # in place
+    x = np.full(1000, r + 1.0, np.float32)
+    y = fx.allreduce(x, op="sum", out=x)
+    assert y is x and np.all(x == n_ranks * (n_ranks + 1) / 2)
+    # prescale / postscale
+    got = fx.allreduce(np.full(10, 2.0, np.float64), op="sum", prescale=0.5, postscale=3.0)
+    assert np.all(got == 3.0 * n_ranks)
+    # oob_allreduce while a large allreduce is queued does not wait for it
+    big = fx.allreduce_async(np.ones(2_000_000, np.float32), op="sum", name="big")
+    m = fx.oob_allreduce(np.array([r, 1.0]), op="sum")
+    assert m.tolist() == [sum(range(n_ranks)), n_ranks]
+    assert np.all(big.wait() == n_ranks)
+    fx.barrier()
+    obj = fx.broadcast_object({"epoch": 3, "rank": r}, root=n_ranks - 1)
+    assert obj == {"epoch": 3, "rank": n_ranks - 1}
+    print(f"OK collectives on rank {r}")
+
+
+def mismatch(kind):
+    r = fx.rank()
+    x = np.ones(10, np.float32)
+    try:
+        if kind == "name":
+            fx.allreduce(x, name=f"grad{r}")
+        elif kind == "shape":
+            fx.allreduce(np.ones(10 + r, np.float32), name="g")
+        elif kind == "dtype":
+            fx.allreduce(np.ones(10, np.float32 if r == 0 else np.float64), name="g")
+        elif kind == "op":
+            fx.allreduce(x, op="sum" if r == 0 else "max", name="g")
+        elif kind == "order":
+            a = fx.allreduce_async(x, name="a" if r == 0 else "b")
+            b = fx.allreduce_async(x, name="b" if r == 0 else "a")
+            a.wait()
+            b.wait()
+        elif kind == "count":
+            # rank 0 issues one allreduce more than the others, who go on to a barrier
+            fx.allreduce(x, name="g")
+            if r == 0:
+                fx.allreduce(x, name="extra")
+            fx.barrier()
+        elif kind == "compression":
+            fx.allreduce(x, compression="bf16" if r == 0 else "none", name="g")
+        elif kind == "oob":
+            fx.oob_allreduce(np.ones(2 + r), name="m")
+        else:
+            raise SystemExit(f"unknown mismatch kind {kind}")
+    except fx.MismatchError as e:
+        print(f"MISMATCH rank {r}: {e}")
+        # the group is unusable afterwards, and says so
+        try:
+            fx.allreduce(x)
+        except fx.MismatchError:
+            print(f"STILL-MISMATCH rank {r}")
+        sys.exit(3)
+    print(f"NO ERROR rank {r}")
+
+
+def die(victim_kind, n, compression):
+    """Rank 1 dies (SIGKILL, or os._exit) from a second thread while every rank, rank 1 included,
+    is looping over allreduces of n elements: the death lands in the middle of a collective."""
+    import threading
+
+    r = fx.rank()
+    x = np.ones(n, np.float32)
+    fx.allreduce(x, compression=compression)  # warm-up: everyone is attached and working
+    if r == 1:
+        def victim():
+            time.sleep(0.3)
+            if victim_kind == "kill":
+                os.kill(os.getpid(), 9)
+            os._exit(17)
+
+        threading.Thread(target=victim, daemon=True).start()
+    t0 = time.monotonic()
+    try:
+        while True:
+            fx.allreduce(x, compression=compression)
+    except fx.PeerFailureError as e:
+        print(f"PEER-FAILURE rank {r} after {time.monotonic() - t0:.2f}s: {e}")
+        sys.exit(5)
+
+
+def hang():
+    """Rank 1 stops answering (sleeps) but stays alive: the others time out."""
+    r = fx.rank()
+    if r == 1:
+        time.sleep(30)
+        return
+    t0 = time.monotonic()
+    try:
+        fx.allreduce(np.ones(10, np.float32))
+    except fx.PeerFailureError as e:
+        print(f"TIMEOUT rank {r} after {time.monotonic() - t0:.1f}s: {e}")
+        sys.exit(6)
+
+
+def shutdown_early():
+    """Rank 0 shuts down while rank 1 still wants to reduce."""
+    r = fx.rank()
+    if r == 0:
+        try:
+            fx.shutdown()
+        except fx.FastxferError as e:
+            print(f"SHUTDOWN-ERROR rank 0: {type(e).__name__}: {e}")
+            sys.exit(4)
+        return
+    try:
+        fx.allreduce(np.ones(10, np.float32), name="late")
+    except fx.FastxferError as e:
+        print(f"ERROR rank {r}: {type(e).__name__}: {e}")
+        sys.exit(4)
+
+
+def info():
+    print(f"INFO rank={fx.rank()} size={fx.size()} local_rank={fx.local_rank()} local_size={fx.local_size()}")
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    fx.init()
+    if mode == "sweep":
+        sweep()
+    elif mode == "compressed":
+        compressed()
+    elif mode == "collectives":
+        collectives()
+    elif mode == "mismatch":
+        mismatch(sys.argv[2])
+    elif mode == "die":
+        die(sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    elif mode == "hang":
+        hang()
+    elif mode == "shutdown_early":
+        shutdown_early()
+    elif mode == "info":
+        info()
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+    fx.shutdown()
