@@ -11,6 +11,10 @@ def _bench(args: argparse.Namespace) -> int:
         from fastxfer.bench import compress
 
         return compress.main(args)
+    if args.bench == "allreduce":
+        from fastxfer.bench import allreduce
+
+        return allreduce.main(args)
     raise AssertionError(args.bench)  # argparse restricts the choices
 
 
@@ -35,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     compress.add_arguments(bsub.add_parser(
         "compress", help="float32 <-> bf16/fp16 and fused packing vs ml_dtypes, numpy, tf.cast, torch",
         description=compress.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+    from fastxfer.bench import allreduce
+
+    allreduce.add_arguments(bsub.add_parser(
+        "allreduce", help="nccl-tests-style allreduce sweep vs torch gloo, mpi4py, Horovod; alpha-beta model",
+        description=allreduce.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     bench.set_defaults(func=_bench)
     return p
 

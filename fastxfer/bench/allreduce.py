@@ -1,0 +1,392 @@
+"""``fastxfer bench allreduce``: nccl-tests-style allreduce benchmark, fastxfer side by side with
+torch.distributed (gloo, CPU), mpi4py ``Allreduce`` on the installed MPI, and Horovod where
+installed, all on the same ranks of this host.
+
+Inputs are small integers, so every float32 sum is exact and ``#wrong`` counts elements that
+differ from the known result (bf16/fp16 carry small integers exactly too). algbw = bytes / time,
+busbw = algbw * 2(n-1)/n, in GB/s (1e9 B); time is the median (p50) over iterations, each
+started after a barrier. Also fits an alpha-beta cost model to the runs and predicts allreduce
+times for 8 to 1024 ranks over 25/100/400 Gb/s networks, ring vs hierarchical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from fastxfer.bench._common import machine_info, markdown_table, print_table, status, write_json
+
+GB = 1e9
+
+
+def _sizes(b: int, e: int, f: int) -> list[int]:
+    out, s = [], b
+    while s <= e:
+        out.append(s)
+        s *= f
+    return out
+
+
+def _iters(nbytes: int, scale: float) -> int:
+    base = 60 if nbytes <= 1 << 16 else 25 if nbytes <= 1 << 22 else 10
+    return max(3, int(base * scale))
+
+
+def _pattern(rank: int, n: int) -> np.ndarray:
+    return ((np.arange(n) % 13) + rank).astype(np.float32)
+
+
+def _expected(size: int, n: int) -> np.ndarray:
+    return (size * (np.arange(n) % 13) + size * (size - 1) / 2).astype(np.float32)
+
+
+# ---- workers (one process per rank) ---------------------------------------------------------
+
+def _time_sweep(rank, size, sizes, scale, barrier, op, label, results):
+    for nbytes in sizes:
+        n = nbytes // 4
+        x = _pattern(rank, n)
+        out = np.empty_like(x)
+        res = op(x, out)
+        got = res if res is not None else out
+        wrong = int(np.count_nonzero(got != _expected(size, n)))
+        times = []
+        for _ in range(_iters(nbytes, scale)):
+            barrier()
+            t0 = time.perf_counter()
+            op(x, out)
+            times.append(time.perf_counter() - t0)
+        results.append({"impl": label, "bytes": nbytes, "p50": statistics.median(times), "wrong": wrong,
+                        "iters": len(times)})
+
+
+def _worker(impl: str, sizes: list[int], scale: float, out_path: str) -> None:
+    results: list[dict] = []
+    if impl == "fastxfer":
+        import fastxfer as fx
+
+        fx.init()
+        rank, size = fx.rank(), fx.size()
+        for comp in ("none", "bf16", "fp16"):
+            _time_sweep(rank, size, sizes, scale, fx.barrier,
+                        lambda x, o, c=comp: fx.allreduce(x, op="sum", compression=c, out=o),
+                        f"fastxfer {comp}", results)
+        stats = fx.engine_stats()
+        fx.shutdown()
+    elif impl == "gloo":
+        import torch
+        import torch.distributed as dist
+
+        rank, size = int(os.environ["FASTXFER_RANK"]), int(os.environ["FASTXFER_SIZE"])
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['BENCH_PORT']}", rank=rank,
+                                world_size=size)
+
+        def op(x, o):
+            t = torch.from_numpy(o)
+            np.copyto(o, x)  # gloo reduces in place; copy the input in, as an out-of-place call would
+            dist.all_reduce(t)
+        _time_sweep(rank, size, sizes, scale, dist.barrier, op, "torch gloo", results)
+        dist.destroy_process_group()
+        stats = {}
+    elif impl == "mpi4py":
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+        rank, size = comm.Get_rank(), comm.Get_size()
+        _time_sweep(rank, size, sizes, scale, comm.Barrier, lambda x, o: comm.Allreduce(x, o, op=MPI.SUM),
+                    "mpi4py Allreduce", results)
+        stats = {}
+    elif impl == "horovod":
+        import horovod.numpy as hvd  # pragma: no cover - not installable on TF 2.21
+
+        hvd.init()
+        rank, size = hvd.rank(), hvd.size()
+        _time_sweep(rank, size, sizes, scale, lambda: hvd.allreduce(np.zeros(1)), lambda x, o: hvd.allreduce(x),
+                    "horovod", results)
+        stats = {}
+    else:
+        raise SystemExit(f"unknown worker {impl}")
+    with open(f"{out_path}.{rank}", "w") as f:
+        json.dump({"rank": rank, "size": size, "results": results, "stats": stats}, f)
+
+
+# ---- driver -----------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(impl: str, np_: int, sizes: list[int], scale: float, tmp: str) -> tuple[list[dict], str | None]:
+    out = os.path.join(tmp, impl)
+    worker = [sys.executable, "-m", "fastxfer.bench.allreduce", "--worker", impl, "--sizes",
+              ",".join(map(str, sizes)), "--iters-scale", str(scale), "--out", out]
+    env = dict(os.environ)
+    if impl == "mpi4py":
+        mpirun = shutil.which("mpirun")
+        if mpirun is None:
+            return [], "mpirun not on PATH"
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1")
+        cmd = [mpirun, "-np", str(np_), "--bind-to", "none"] + worker
+    else:
+        env["BENCH_PORT"] = str(_free_port())
+        cmd = [sys.executable, "-m", "fastxfer.cli", "run", "-np", str(np_), "--"] + worker
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+    if r.returncode != 0:
+        tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
+        return [], f"failed (exit {r.returncode}): {' | '.join(tail)}"
+    per_rank = []
+    for k in range(np_):
+        with open(f"{out}.{k}") as f:
+            per_rank.append(json.load(f))
+    rows = []
+    for i, row in enumerate(per_rank[0]["results"]):
+        row = dict(row)
+        row["wrong"] = sum(p["results"][i]["wrong"] for p in per_rank)
+        row["ranks"] = np_
+        rows.append(row)
+    if impl == "fastxfer":
+        rows[0]["engine_stats"] = per_rank[0]["stats"]
+    return rows, None
+
+
+def run(np_: int = 2, b: int = 1 << 10, e: int = 64 << 20, f: int = 4, scale: float = 1.0,
+        peers: tuple[str, ...] = ("fastxfer", "gloo", "mpi4py", "horovod")) -> dict:
+    sizes = _sizes(b, e, f)
+    rows: list[dict] = []
+    skipped: dict[str, str] = {}
+    available = {"fastxfer": True, "gloo": importlib.util.find_spec("torch") is not None,
+                 "mpi4py": importlib.util.find_spec("mpi4py") is not None,
+                 "horovod": importlib.util.find_spec("horovod") is not None}
+    with tempfile.TemporaryDirectory(prefix="fastxfer-bench-") as tmp:
+        for impl in peers:
+            if not available.get(impl, False):
+                skipped[impl] = "not installed"
+                continue
+            status(f"{impl}: {np_} ranks, {len(sizes)} sizes {sizes[0]}..{sizes[-1]} bytes")
+            got, err = _launch(impl, np_, sizes, scale, tmp)
+            if err:
+                skipped[impl] = err
+                status(f"{impl}: {err}")
+            rows.extend(got)
+    for r in rows:
+        r["algbw"] = r["bytes"] / r["p50"] / GB
+        r["busbw"] = r["algbw"] * 2 * (np_ - 1) / np_
+    return {"machine": machine_info(), "ranks": np_, "rows": rows, "skipped": skipped,
+            "targets": _targets(rows, e), "model": cost_model(rows, np_)}
+
+
+def _at(rows, impl, nbytes):
+    for r in rows:
+        if r["impl"] == impl and r["bytes"] == nbytes:
+            return r
+    return None
+
+
+def _targets(rows, big) -> list[dict]:
+    out = []
+    fx_none = _at(rows, "fastxfer none", big)
+    for peer, need in (("torch gloo", 5.0), ("horovod", 4.0)):
+        p = _at(rows, peer, big)
+        if fx_none and p:
+            ratio = fx_none["busbw"] / p["busbw"]
+            out.append({"target": f"fastxfer busbw >= {need:g}x {peer} at {big >> 20} MB", "value": ratio,
+                        "need": need, "ok": ratio >= need})
+    fx_bf16 = _at(rows, "fastxfer bf16", big)
+    if fx_none and fx_bf16:
+        ratio = fx_none["p50"] / fx_bf16["p50"]
+        out.append({"target": f"bf16-compressed faster than uncompressed at {big >> 20} MB (speed-up)",
+                    "value": ratio, "need": 1.0, "ok": ratio > 1.0})
+    return out
+
+
+# ---- alpha-beta model -------------------------------------------------------------------------
+
+def _fit(rows, impl, np_):
+    """T(bytes) = a + b * bytes by least squares over the sweep (medians)."""
+    pts = [(r["bytes"], r["p50"]) for r in rows if r["impl"] == impl]
+    if len(pts) < 3:
+        return None
+    x = np.array([p[0] for p in pts], float)
+    y = np.array([p[1] for p in pts], float)
+    b, a = np.polyfit(x, y, 1)
+    return max(a, 1e-7), max(b, 1e-13)
+
+
+def cost_model(rows, np_) -> dict:
+    """Predicts allreduce time of a 100 MB float32 gradient (ResNet-50 scale) on p ranks.
+
+    Calibrated here: the intra-host stage (shared memory) from fastxfer's own sweep, a + b*bytes
+    for `np_` local ranks; the per-message software latency of MPI from mpi4py's smallest size.
+    Network: beta_net = 8 / link bits per second; alpha_net = measured MPI latency + 5 us wire.
+      ring over p ranks:     2(p-1) alpha_net + 2(p-1)/p * S * beta_net
+      hierarchical, k/host:  shm(S) + 2(h-1) alpha_net + 2(h-1)/h * S * beta_net,  h = p/k
+        (each local rank carries S/k across hosts; the k shards share the host's link)
+    bf16 halves S on the wire.
+    """
+    shm = _fit(rows, "fastxfer none", np_)
+    shm16 = _fit(rows, "fastxfer bf16", np_)
+    mpi_small = min((r["p50"] for r in rows if r["impl"] == "mpi4py Allreduce"), default=20e-6)
+    if shm is None:
+        return {}
+    alpha_net = mpi_small / max(1, 2 * (np_ - 1)) + 5e-6
+    size = 100e6
+    k = np_
+    table = []
+    for gbps in (25, 100, 400):
+        beta = 8 / (gbps * 1e9)
+        for p in (8, 16, 32, 64, 128, 256, 512, 1024):
+            h = max(1, p // k)
+            ring = 2 * (p - 1) * alpha_net + 2 * (p - 1) / p * size * beta
+            hier = shm[0] + shm[1] * size + 2 * (h - 1) * alpha_net + 2 * (h - 1) / h * size * beta
+            s16 = shm16 or shm
+            hier16 = s16[0] + s16[1] * size + 2 * (h - 1) * alpha_net + 2 * (h - 1) / h * size / 2 * beta
+            table.append({"gbps": gbps, "ranks": p, "ring_s": ring, "hier_s": hier, "hier_bf16_s": hier16})
+    return {"alpha_net_s": alpha_net, "shm_alpha_s": shm[0], "shm_beta_s_per_byte": shm[1],
+            "ranks_per_host": k, "gradient_bytes": size, "table": table}
+
+
+# ---- report -----------------------------------------------------------------------------------
+
+COLUMNS = ["impl", "bytes", "p50 us", "algbw GB/s", "busbw GB/s", "#wrong"]
+
+
+def report(res: dict, markdown: bool = False) -> None:
+    m = res["machine"]
+    caption = (f"{m['date']} | {m['cpu']} | {m['cpus']} CPUs | {res['ranks']} ranks on this host | "
+               f"GB = 1e9 B; busbw = algbw*2(n-1)/n; p50 over iterations")
+    rows = [[r["impl"], str(r["bytes"]), f"{r['p50'] * 1e6:.1f}", f"{r['algbw']:.2f}", f"{r['busbw']:.2f}",
+             str(r["wrong"])] for r in res["rows"]]
+    print_table("fastxfer bench allreduce", COLUMNS, rows, caption)
+    for k, v in res["skipped"].items():
+        print(f"  skipped {k}: {v}")
+    for t in res["targets"]:
+        print(f"  [{'PASS' if t['ok'] else 'MISS'}] {t['target']}: {t['value']:.2f} (need {t['need']:g})")
+    model = res.get("model") or {}
+    mrows = []
+    for t in model.get("table", []):
+        mrows.append([f"{t['gbps']} Gb/s", str(t["ranks"]), f"{t['ring_s'] * 1e3:.1f}", f"{t['hier_s'] * 1e3:.1f}",
+                      f"{t['hier_bf16_s'] * 1e3:.1f}"])
+    mcols = ["network", "ranks", "ring ms", f"hierarchical ({model.get('ranks_per_host', '?')}/host) ms",
+             "hierarchical + bf16 ms"]
+    if mrows:
+        print_table("alpha-beta model: 100 MB float32 allreduce", mcols, mrows,
+                    f"alpha_net {model['alpha_net_s'] * 1e6:.1f} us, shm {model['shm_alpha_s'] * 1e6:.1f} us + "
+                    f"{1 / model['shm_beta_s_per_byte'] / GB:.2f} GB/s (calibrated on this host)")
+    if markdown:
+        print(f"\nCommand: `{m['command']}`  \n{caption}\n")
+        print(markdown_table(COLUMNS, rows))
+        print()
+        for k, v in res["skipped"].items():
+            print(f"- skipped {k}: {v}")
+        for t in res["targets"]:
+            print(f"- {'PASS' if t['ok'] else 'MISS'}: {t['target']}: {t['value']:.2f} (need {t['need']:g})")
+        if mrows:
+            print()
+            print(markdown_table(mcols, mrows))
+
+
+def plot(res: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for impl in dict.fromkeys(r["impl"] for r in res["rows"]):
+        sel = [r for r in res["rows"] if r["impl"] == impl]
+        a1.plot([r["bytes"] for r in sel], [r["busbw"] for r in sel], marker="o", label=impl)
+    a1.set_xscale("log", base=2)
+    a1.set_xlabel("message size (bytes)")
+    a1.set_ylabel("busbw (GB/s)")
+    a1.set_title(f"allreduce, {res['ranks']} ranks on one host")
+    a1.legend(fontsize=8)
+    a1.grid(alpha=0.3)
+    model = res.get("model") or {}
+    for gbps, color in ((25, "tab:red"), (100, "tab:blue"), (400, "tab:green")):
+        sel = [t for t in model.get("table", []) if t["gbps"] == gbps]
+        if not sel:
+            continue
+        ps = [t["ranks"] for t in sel]
+        a2.plot(ps, [t["ring_s"] * 1e3 for t in sel], color=color, linestyle="--", label=f"ring {gbps} Gb/s")
+        a2.plot(ps, [t["hier_s"] * 1e3 for t in sel], color=color, label=f"hierarchical {gbps} Gb/s")
+        a2.plot(ps, [t["hier_bf16_s"] * 1e3 for t in sel], color=color, linestyle=":", label=f"hier.+bf16 {gbps} Gb/s")
+    a2.set_xscale("log", base=2)
+    a2.set_yscale("log")
+    a2.set_xlabel("ranks")
+    a2.set_ylabel("predicted time for 100 MB (ms)")
+    a2.set_title("alpha-beta model (calibrated here)")
+    a2.legend(fontsize=7)
+    a2.grid(alpha=0.3)
+    m = res["machine"]
+    fig.suptitle(f"fastxfer bench allreduce - {m['cpu']}, {m['date']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    status(f"plot written to {path}")
+
+
+def _parse_size(text: str) -> int:
+    t = text.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    if t and t[-1] in mult:
+        return int(float(t[:-1]) * mult[t[-1]])
+    return int(t)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-np", "--np", dest="np", type=int, default=2, help="ranks on this host (default 2)")
+    p.add_argument("-b", "--minbytes", default="1K", help="smallest message (default 1K)")
+    p.add_argument("-e", "--maxbytes", default="64M", help="largest message (default 64M)")
+    p.add_argument("-f", "--stepfactor", type=int, default=4, help="size multiplier between steps (default 4)")
+    p.add_argument("--iters-scale", type=float, default=1.0, help="scale the iteration counts")
+    p.add_argument("--peers", default="fastxfer,gloo,mpi4py,horovod", help="implementations to run")
+    p.add_argument("--json", metavar="PATH", help="write results as JSON (- for stdout)")
+    p.add_argument("--plot", metavar="PNG", help="busbw vs size, and the cost model")
+    p.add_argument("--markdown", action="store_true", help="also print markdown tables (for bench/RESULTS.md)")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.np < 1 or args.stepfactor < 2:
+        raise SystemExit("-np must be >= 1 and -f >= 2")
+    res = run(args.np, _parse_size(args.minbytes), _parse_size(args.maxbytes), args.stepfactor, args.iters_scale,
+              tuple(p.strip() for p in args.peers.split(",") if p.strip()))
+    if args.json:
+        write_json(args.json, res)
+    if args.json != "-":
+        report(res, args.markdown)
+    if args.plot:
+        plot(res, args.plot)
+    wrong = sum(r["wrong"] for r in res["rows"] if r["impl"].startswith("fastxfer"))
+    ran_fastxfer = any(r["impl"].startswith("fastxfer") for r in res["rows"])
+    if wrong or not ran_fastxfer:
+        print(f"fastxfer: {wrong} wrong elements" if ran_fastxfer else "fastxfer did not run", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(prog="python -m fastxfer.bench.allreduce", description=__doc__)
+    ap.add_argument("--worker")
+    ap.add_argument("--sizes")
+    ap.add_argument("--out")
+    known, rest = ap.parse_known_args()
+    if known.worker:
+        scale = 1.0
+        if "--iters-scale" in rest:
+            scale = float(rest[rest.index("--iters-scale") + 1])
+        _worker(known.worker, [int(s) for s in known.sizes.split(",")], scale, known.out)
+    else:
+        add_arguments(ap)
+        sys.exit(main(ap.parse_args()))
