@@ -19,6 +19,7 @@ def launch(np_, worker, *args, env=None, timeout=300, launcher_args=(), cwd=None
     # small window and bucket cap, so modest sizes already stream through several chunks/buckets
     full_env.setdefault("FASTXFER_SHM_WINDOW_MB", "0.25")
     full_env.setdefault("FASTXFER_BUCKET_CAP_MB", "0.5")
+    full_env.setdefault("FASTXFER_STREAM_MIN_MB", "0.001")  # exercise the streaming-store paths too
     full_env.update(env or {})
     cmd = fastxfer_cmd() + ["run", "-np", str(np_), *launcher_args, "--", sys.executable,
                             os.path.join(WORKERS, worker), *map(str, args)]

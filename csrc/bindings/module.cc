@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <memory>
 #include <string>
 
 #include "common/dtype.h"
@@ -122,6 +123,14 @@ PYBIND11_MODULE(_core, m) {
     return d;
   });
   m.def("default_threads", &default_threads);
+  m.def(
+      "_set_stream_stores",
+      [](bool on) {
+        static thread_local std::unique_ptr<ScopedStreamStores> scope;
+        scope.reset();
+        if (on) scope = std::make_unique<ScopedStreamStores>(true);
+      },
+      py::arg("on"), "Testing hook: non-temporal float32 stores in the kernels on the calling thread.");
   m.def("_set_thread_flush_denormals", &set_thread_flush_denormals, py::arg("on"),
         "Testing hook: set FTZ+DAZ on the calling thread (as TensorFlow's threads do); returns the old state.");
 
@@ -256,7 +265,7 @@ PYBIND11_MODULE(_core, m) {
   py::class_<Engine>(m, "Engine", "The background collective engine over shared memory (one per process).")
       .def(py::init([](const std::string& name, int rank, int size, size_t window_bytes, size_t oob_bytes,
                        double timeout_s, double attach_timeout_s, int threads, std::vector<int> cpus,
-                       size_t bucket_cap_bytes, int max_records) {
+                       size_t bucket_cap_bytes, int max_records, size_t stream_min_bytes) {
              ShmConfig c;
              c.name = name;
              c.rank = rank;
@@ -267,6 +276,7 @@ PYBIND11_MODULE(_core, m) {
              c.attach_timeout_s = attach_timeout_s;
              c.threads = threads;
              c.max_records = max_records;
+             c.stream_min_bytes = stream_min_bytes;
              EngineConfig e;
              e.bucket_cap_bytes = bucket_cap_bytes;
              e.max_records = max_records;
@@ -276,7 +286,7 @@ PYBIND11_MODULE(_core, m) {
            }),
            py::arg("name"), py::arg("rank"), py::arg("size"), py::arg("window_bytes"), py::arg("oob_bytes"),
            py::arg("timeout_s"), py::arg("attach_timeout_s"), py::arg("threads"), py::arg("cpus"),
-           py::arg("bucket_cap_bytes"), py::arg("max_records"))
+           py::arg("bucket_cap_bytes"), py::arg("max_records"), py::arg("stream_min_bytes"))
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("size", &Engine::size)
       .def_property_readonly("oob_capacity", &Engine::oob_capacity)

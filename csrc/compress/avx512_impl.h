@@ -85,6 +85,29 @@ struct Fp16 {
   }
 };
 
+// Runs f(i, k, full, stream) over [0, n) in steps of 16 floats. With streaming stores on, the
+// head is peeled with a masked step until `out` is 64-byte aligned, and the aligned middle is
+// flagged `stream` (the caller then uses _mm512_stream_ps), followed by a fence.
+template <class F>
+inline void for_each_16(size_t n, const float* out, F&& f) {
+  size_t i = 0;
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(out);
+  if (stream_stores() && n >= kStreamMinElements && (addr & 3) == 0) {
+    size_t peel = ((64 - (addr & 63)) & 63) / 4;
+    if (peel) f(size_t(0), tail_mask(peel), false, false);
+    for (i = peel; i + 16 <= n; i += 16) f(i, __mmask16(0xffff), true, true);
+    _mm_sfence();
+  }
+  for (; i + 16 <= n; i += 16) f(i, __mmask16(0xffff), true, false);
+  if (i < n) f(i, tail_mask(n - i), false, false);
+}
+
+inline void store_f32(float* p, __m512 v, __mmask16 k, bool full, bool stream) {
+  if (stream) _mm512_stream_ps(p, v);
+  else if (full) _mm512_storeu_ps(p, v);
+  else _mm512_mask_storeu_ps(p, k, v);
+}
+
 inline __m256i load16(const uint16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline __m256i load16(const uint16_t* p, __mmask16 k) { return _mm256_maskz_loadu_epi16(k, p); }
 inline void store16(uint16_t* p, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
@@ -94,6 +117,17 @@ template <class C, bool kScale>
 inline void compress_impl(const float* src, uint16_t* dst, size_t n, float scale) {
   __m512 s = _mm512_set1_ps(scale);
   size_t i = 0;
+  // Two vectors per step, written as one full 64-byte line: fewer partial-line stores, and two
+  // independent conversions in flight.
+  for (; i + 32 <= n; i += 32) {
+    __m512 x0 = _mm512_loadu_ps(src + i), x1 = _mm512_loadu_ps(src + i + 16);
+    if (kScale) {
+      x0 = _mm512_mul_ps(x0, s);
+      x1 = _mm512_mul_ps(x1, s);
+    }
+    __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(C::enc(x0)), C::enc(x1), 1);
+    _mm512_storeu_si512(reinterpret_cast<void*>(dst + i), both);
+  }
   for (; i + 16 <= n; i += 16) {
     __m512 x = _mm512_loadu_ps(src + i);
     if (kScale) x = _mm512_mul_ps(x, s);
@@ -114,19 +148,12 @@ void compress(const float* src, uint16_t* dst, size_t n, float scale) {
 
 template <class C, bool kScale>
 inline void decompress_impl(const uint16_t* src, float* dst, size_t n, float scale) {
-  __m512 s = _mm512_set1_ps(scale);
-  size_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    __m512 x = C::dec(load16(src + i));
+  const __m512 s = _mm512_set1_ps(scale);
+  for_each_16(n, dst, [&](size_t i, __mmask16 k, bool full, bool stream) {
+    __m512 x = C::dec(full ? load16(src + i) : load16(src + i, k));
     if (kScale) x = _mm512_mul_ps(x, s);
-    _mm512_storeu_ps(dst + i, x);
-  }
-  if (i < n) {
-    __mmask16 k = tail_mask(n - i);
-    __m512 x = C::dec(load16(src + i, k));
-    if (kScale) x = _mm512_mul_ps(x, s);
-    _mm512_mask_storeu_ps(dst + i, k, x);
-  }
+    store_f32(dst + i, x, k, full, stream);
+  });
 }
 template <class C>
 void decompress(const uint16_t* src, float* dst, size_t n, float scale) {
@@ -160,54 +187,35 @@ template <class C>
 void sum2_direct(const float* own, const uint16_t* peer, uint16_t* dst, float* out, size_t n, float scale) {
   const bool do_scale = scale != 1.0f;
   const __m512 s = _mm512_set1_ps(scale);
-  size_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    __m512 v = _mm512_add_ps(C::dec(C::enc(_mm512_loadu_ps(own + i))), C::dec(load16(peer + i)));
+  for_each_16(n, out, [&](size_t i, __mmask16 k, bool full, bool stream) {
+    __m512 mine = full ? _mm512_loadu_ps(own + i) : _mm512_maskz_loadu_ps(k, own + i);
+    __m512 v = _mm512_add_ps(C::dec(C::enc(mine)), C::dec(full ? load16(peer + i) : load16(peer + i, k)));
     __m256i d = C::enc(do_scale ? _mm512_mul_ps(v, s) : v);
-    store16(dst + i, d);
-    _mm512_storeu_ps(out + i, C::dec(d));
-  }
-  if (i < n) {
-    __mmask16 k = tail_mask(n - i);
-    __m512 v = _mm512_add_ps(C::dec(C::enc(_mm512_maskz_loadu_ps(k, own + i))), C::dec(load16(peer + i, k)));
-    __m256i d = C::enc(do_scale ? _mm512_mul_ps(v, s) : v);
-    store16(dst + i, d, k);
-    _mm512_mask_storeu_ps(out + i, k, C::dec(d));
-  }
+    if (full) store16(dst + i, d);
+    else store16(dst + i, d, k);
+    store_f32(out + i, C::dec(d), k, full, stream);
+  });
 }
 
 void sum2_f32(const float* a, const float* b, float* dst, float* out, size_t n, float scale) {
   const bool do_scale = scale != 1.0f;
   const __m512 s = _mm512_set1_ps(scale);
-  size_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    __m512 v = _mm512_add_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i));
+  for_each_16(n, out, [&](size_t i, __mmask16 k, bool full, bool stream) {
+    __m512 v = full ? _mm512_add_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i))
+                    : _mm512_add_ps(_mm512_maskz_loadu_ps(k, a + i), _mm512_maskz_loadu_ps(k, b + i));
     if (do_scale) v = _mm512_mul_ps(v, s);
-    _mm512_storeu_ps(dst + i, v);
-    _mm512_storeu_ps(out + i, v);
-  }
-  if (i < n) {
-    __mmask16 k = tail_mask(n - i);
-    __m512 v = _mm512_add_ps(_mm512_maskz_loadu_ps(k, a + i), _mm512_maskz_loadu_ps(k, b + i));
-    if (do_scale) v = _mm512_mul_ps(v, s);
-    _mm512_mask_storeu_ps(dst + i, k, v);
-    _mm512_mask_storeu_ps(out + i, k, v);
-  }
+    store_f32(dst + i, v, k, full, false);
+    store_f32(out + i, v, k, full, stream);
+  });
 }
 
 void scale_f32(const float* src, float* dst, size_t n, float scale) {
-  bool do_scale = scale != 1.0f;
-  __m512 s = _mm512_set1_ps(scale);
-  size_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    __m512 x = _mm512_loadu_ps(src + i);
-    _mm512_storeu_ps(dst + i, do_scale ? _mm512_mul_ps(x, s) : x);
-  }
-  if (i < n) {
-    __mmask16 k = tail_mask(n - i);
-    __m512 x = _mm512_maskz_loadu_ps(k, src + i);
-    _mm512_mask_storeu_ps(dst + i, k, do_scale ? _mm512_mul_ps(x, s) : x);
-  }
+  const bool do_scale = scale != 1.0f;
+  const __m512 s = _mm512_set1_ps(scale);
+  for_each_16(n, dst, [&](size_t i, __mmask16 k, bool full, bool stream) {
+    __m512 x = full ? _mm512_loadu_ps(src + i) : _mm512_maskz_loadu_ps(k, src + i);
+    store_f32(dst + i, do_scale ? _mm512_mul_ps(x, s) : x, k, full, stream);
+  });
 }
 
 void accumulate_f32(float* acc, const float* src, size_t n) {

@@ -119,6 +119,14 @@ void init_simd_level_from_env() {
 
 const CompressKernels& active_kernels() { return *active().load(); }
 
+namespace {
+thread_local bool t_stream_stores = false;
+}  // namespace
+
+bool stream_stores() { return t_stream_stores; }
+ScopedStreamStores::ScopedStreamStores(bool on) : saved_(t_stream_stores) { t_stream_stores = on; }
+ScopedStreamStores::~ScopedStreamStores() { t_stream_stores = saved_; }
+
 bool set_thread_flush_denormals(bool on) {
 #if defined(FASTXFER_X86)
   unsigned csr = _mm_getcsr();

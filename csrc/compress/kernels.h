@@ -33,6 +33,24 @@ struct CompressKernels {
   void (*sum2_f32)(const float* a, const float* b, float* dst, float* out, size_t n, float scale);
 };
 
+// Whether kernels writing float32 results (decompress, scale_f32, sum2_*: the `out`/`dst`
+// float stream) use non-temporal stores on this thread. Set by the transport for large buckets,
+// whose outputs would only evict the data it still has to read; results are identical either way.
+// Off by default (fx.compress/decompress keep their output in cache).
+bool stream_stores();
+class ScopedStreamStores {
+ public:
+  explicit ScopedStreamStores(bool on);
+  ~ScopedStreamStores();
+  ScopedStreamStores(const ScopedStreamStores&) = delete;
+  ScopedStreamStores& operator=(const ScopedStreamStores&) = delete;
+
+ private:
+  bool saved_;
+};
+// Shorter runs are not worth the peeling and the fence.
+constexpr size_t kStreamMinElements = 1024;
+
 extern const CompressKernels kScalarKernels;
 #if defined(FASTXFER_X86)
 extern const CompressKernels kAvx2Kernels;        // AVX2 + F16C

@@ -39,7 +39,7 @@ def _sizes(b: int, e: int, f: int) -> list[int]:
 
 
 def _iters(nbytes: int, scale: float) -> int:
-    base = 60 if nbytes <= 1 << 16 else 25 if nbytes <= 1 << 22 else 10
+    base = 60 if nbytes <= 1 << 16 else 25 if nbytes <= 1 << 22 else 15
     return max(3, int(base * scale))
 
 
@@ -53,22 +53,30 @@ def _expected(size: int, n: int) -> np.ndarray:
 
 # ---- workers (one process per rank) ---------------------------------------------------------
 
-def _time_sweep(rank, size, sizes, scale, barrier, op, label, results):
+def _time_sweep(rank, size, sizes, scale, barrier, ops, results):
+    """ops: {label: op(x, out)}. At each size the labels take turns iteration by iteration, so a
+    slow phase of a shared machine hits all of them alike."""
     for nbytes in sizes:
         n = nbytes // 4
         x = _pattern(rank, n)
-        out = np.empty_like(x)
-        res = op(x, out)
-        got = res if res is not None else out
-        wrong = int(np.count_nonzero(got != _expected(size, n)))
-        times = []
+        want = _expected(size, n)
+        outs = {label: np.empty_like(x) for label in ops}
+        wrong = {}
+        for label, op in ops.items():
+            res = op(x, outs[label])
+            got = res if res is not None else outs[label]
+            wrong[label] = int(np.count_nonzero(got != want))
+        times = {label: [] for label in ops}
         for _ in range(_iters(nbytes, scale)):
-            barrier()
-            t0 = time.perf_counter()
-            op(x, out)
-            times.append(time.perf_counter() - t0)
-        results.append({"impl": label, "bytes": nbytes, "p50": statistics.median(times), "wrong": wrong,
-                        "iters": len(times)})
+            for label, op in ops.items():
+                barrier()
+                t0 = time.perf_counter()
+                op(x, outs[label])
+                times[label].append(time.perf_counter() - t0)
+        for label in ops:
+            results.append({"impl": label, "bytes": nbytes, "p50": statistics.median(times[label]),
+                            "wrong": wrong[label], "iters": len(times[label])})
+    results.sort(key=lambda r: list(ops).index(r["impl"]))  # group rows by implementation
 
 
 def _worker(impl: str, sizes: list[int], scale: float, out_path: str) -> None:
@@ -78,10 +86,9 @@ def _worker(impl: str, sizes: list[int], scale: float, out_path: str) -> None:
 
         fx.init()
         rank, size = fx.rank(), fx.size()
-        for comp in ("none", "bf16", "fp16"):
-            _time_sweep(rank, size, sizes, scale, fx.barrier,
-                        lambda x, o, c=comp: fx.allreduce(x, op="sum", compression=c, out=o),
-                        f"fastxfer {comp}", results)
+        _time_sweep(rank, size, sizes, scale, fx.barrier,
+                    {f"fastxfer {c}": (lambda x, o, c=c: fx.allreduce(x, op="sum", compression=c, out=o))
+                     for c in ("none", "bf16", "fp16")}, results)
         stats = fx.engine_stats()
         fx.shutdown()
     elif impl == "gloo":
@@ -96,7 +103,7 @@ def _worker(impl: str, sizes: list[int], scale: float, out_path: str) -> None:
             t = torch.from_numpy(o)
             np.copyto(o, x)  # gloo reduces in place; copy the input in, as an out-of-place call would
             dist.all_reduce(t)
-        _time_sweep(rank, size, sizes, scale, dist.barrier, op, "torch gloo", results)
+        _time_sweep(rank, size, sizes, scale, dist.barrier, {"torch gloo": op}, results)
         dist.destroy_process_group()
         stats = {}
     elif impl == "mpi4py":
@@ -104,16 +111,16 @@ def _worker(impl: str, sizes: list[int], scale: float, out_path: str) -> None:
 
         comm = MPI.COMM_WORLD
         rank, size = comm.Get_rank(), comm.Get_size()
-        _time_sweep(rank, size, sizes, scale, comm.Barrier, lambda x, o: comm.Allreduce(x, o, op=MPI.SUM),
-                    "mpi4py Allreduce", results)
+        _time_sweep(rank, size, sizes, scale, comm.Barrier,
+                    {"mpi4py Allreduce": lambda x, o: comm.Allreduce(x, o, op=MPI.SUM)}, results)
         stats = {}
     elif impl == "horovod":
         import horovod.numpy as hvd  # pragma: no cover - not installable on TF 2.21
 
         hvd.init()
         rank, size = hvd.rank(), hvd.size()
-        _time_sweep(rank, size, sizes, scale, lambda: hvd.allreduce(np.zeros(1)), lambda x, o: hvd.allreduce(x),
-                    "horovod", results)
+        _time_sweep(rank, size, sizes, scale, lambda: hvd.allreduce(np.zeros(1)),
+                    {"horovod": lambda x, o: hvd.allreduce(x, op=hvd.Sum)}, results)
         stats = {}
     else:
         raise SystemExit(f"unknown worker {impl}")

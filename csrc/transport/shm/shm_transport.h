@@ -21,6 +21,7 @@ struct ShmConfig {
   double timeout_s = 300;           // a peer that does not answer for this long is a failure
   double attach_timeout_s = 120;    // how long ranks wait for each other at start-up
   int threads = 1;                  // threads for pack/unpack inside one chunk
+  size_t stream_min_bytes = 4u << 20;  // buckets whose outputs are this large use streaming stores
 };
 
 class ShmTransport : public Transport {
