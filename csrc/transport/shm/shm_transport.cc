@@ -284,7 +284,9 @@ void ShmTransport::allreduce(const AllreduceJob& job) {
                       ((b.dtype == b.wire_dtype && (b.dtype == DType::kFloat32 || b.dtype == DType::kFloat64)) ||
                        (b.dtype == DType::kFloat32 && b.wire_dtype != DType::kFloat32));
   // Chunk: half a window, split into one 64-byte-aligned shard per rank.
-  const size_t chunk = (cfg_.window_bytes / 2 / es) / (n_ranks * align) * (n_ranks * align);
+  // Chunks hold the same number of elements whatever the wire format (a compressed chunk uses
+  // part of the window): the float32 inputs and outputs a chunk touches stay cache-sized.
+  const size_t chunk = (cfg_.window_bytes / 2 / std::max<size_t>(es, own_es)) / (n_ranks * align) * (n_ranks * align);
   std::vector<const void*> srcs(n_ranks);
   // A large bucket's outputs go straight to memory: keeping them in cache would only evict the
   // windows and inputs this rank is still reading (about 25% faster at 64 MB on 2 ranks).
