@@ -59,7 +59,7 @@ def test_stale_segments_of_dead_launchers_are_swept(tmp_path):
                 os.unlink(p)
 
 
-def test_usage_errors():
+def test_usage_errors(tmp_path):
     r = subprocess.run(fastxfer_cmd() + ["run", "-np", "2"], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "no command given" in r.stderr
     r = subprocess.run(fastxfer_cmd() + ["run", "-np", "0", "--", "true"], capture_output=True, text=True, timeout=60)
@@ -67,7 +67,7 @@ def test_usage_errors():
     r = subprocess.run(fastxfer_cmd() + ["run", "-np", "2", "--bind", "socket", "--", "true"], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and "invalid choice: 'socket'" in r.stderr
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable))  # no mpirun on this PATH
+    env = dict(os.environ, PATH=str(tmp_path))  # an empty PATH: no mpirun
     r = subprocess.run(fastxfer_cmd() + ["run", "-np", "2", "--hosts", "a:1,b:1", "--", "true"], capture_output=True,
                        text=True, timeout=60, env=env)
     assert r.returncode != 0 and "mpirun, which is not on PATH" in r.stderr
