@@ -37,11 +37,17 @@ class Layout:
     local_size: int
     segment: str  # shared-memory segment name of this host's ranks
     source: str   # which launcher the layout came from
+    hosts: int = 1
+    inter_host: object = None  # MPIInterHost when the job spans several hosts
 
 
 def host_identity() -> str:
     """Host name plus the kernel's boot id: two containers with the same host name on different
-    machines differ, two processes on one machine agree."""
+    machines differ, two processes on one machine agree. FASTXFER_HOST_ID overrides it (for
+    containers that share a boot id across machines, and for tests that emulate several hosts)."""
+    override = os.environ.get("FASTXFER_HOST_ID")
+    if override:
+        return f"override/{override}"
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
@@ -109,13 +115,20 @@ def _mpi_rendezvous(rank: int, size: int, source: str) -> Layout:
                             f"{comm.Get_size()}")
     hosts = comm.allgather(host_identity())
     order = list(dict.fromkeys(hosts))  # hosts in order of their lowest rank
-    if len(order) > 1:
-        raise FastxferError(
-            f"the job spans {len(order)} hosts; this version of fastxfer reduces over shared memory within "
-            "one host only (the MPI transport between hosts is not built yet). Run one job per host.")
+    counts = [hosts.count(h) for h in order]
+    if len(set(counts)) > 1:
+        raise FastxferError(f"hosts run different numbers of ranks ({', '.join(map(str, counts))}); fastxfer's "
+                            "hierarchical allreduce needs the same number on every host")
     mine = [r for r, h in enumerate(hosts) if h == hosts[rank]]
+    host_index = order.index(hosts[rank])
     token = comm.bcast(f"{os.getpid()}-{secrets.token_hex(16)}" if rank == 0 else None, root=0)
-    return Layout(rank, size, mine.index(rank), len(mine), f"/fastxfer-{token}-h{order.index(hosts[rank])}", source)
+    inter = None
+    if len(order) > 1:
+        from fastxfer.mpi_transport import MPIInterHost
+
+        inter = MPIInterHost(comm, mine.index(rank), host_index)
+    return Layout(rank, size, mine.index(rank), len(mine), f"/fastxfer-{token}-h{host_index}", source,
+                  len(order), inter)
 
 
 def detect_layout() -> Layout:
@@ -179,7 +192,7 @@ def init(*, timeout: float | None = None, engine_cpus: list[int] | str | None = 
         stream_min = int(float(os.environ.get("FASTXFER_STREAM_MIN_MB", "4")) * (1 << 20))
         _engine = _core.Engine(layout.segment, layout.local_rank, layout.local_size, window, oob, float(timeout),
                                _float_env("FASTXFER_ATTACH_TIMEOUT", 120), threads, cpus, cap, 1024,
-                               max(0, stream_min))
+                               max(0, stream_min), layout.inter_host)
         _layout = layout
 
 
@@ -246,6 +259,11 @@ def engine_stats() -> dict:
     """Cumulative seconds the engine spent packing, waiting for peers, reducing, unpacking and
     negotiating, with chunk/round counts: where the communication time goes."""
     return dict(_require()[0].stats())
+
+
+def hosts() -> int:
+    """Number of hosts the job spans."""
+    return _require()[1].hosts
 
 
 def layout() -> Layout:

@@ -10,6 +10,7 @@
 #include "common/dtype.h"
 #include "engine/collective.h"
 #include "engine/engine.h"
+#include "transport/hierarchical.h"
 #include "transport/shm/shm_transport.h"
 #include "common/parallel.h"
 #include "compress/compress.h"
@@ -68,6 +69,74 @@ CollectiveKind kind_from_name(const std::string& k) {
     if (k == kind_name(c)) return c;
   throw py::value_error("unknown collective '" + k + "'");
 }
+
+// InterHost implemented by a Python object (fastxfer.mpi_transport.MPIInterHost, on mpi4py).
+// Called from the engine thread: takes the GIL for each call; buffers are passed as numpy views
+// (no copy) of raw bytes, with the element dtype named separately.
+class PyInterHost : public InterHost {
+ public:
+  explicit PyInterHost(py::object impl) : impl_(std::move(impl)) {
+    rank_ = impl_.attr("rank").cast<int>();
+    size_ = impl_.attr("size").cast<int>();
+  }
+  ~PyInterHost() override {
+    py::gil_scoped_acquire gil;
+    impl_ = py::object();
+  }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  void allreduce_shard(void* buf, size_t n, DType dtype, ReduceOp op) override {
+    py::gil_scoped_acquire gil;
+    impl_.attr("allreduce_shard")(view(buf, n * dtype_size(dtype)), dtype_name(dtype), op_name(op));
+  }
+  int64_t min_all(int64_t v) override {
+    py::gil_scoped_acquire gil;
+    return impl_.attr("min_all")(v).cast<int64_t>();
+  }
+  std::vector<uint64_t> allgather_u64(uint64_t v) override {
+    py::gil_scoped_acquire gil;
+    return impl_.attr("allgather_u64")(v).cast<std::vector<uint64_t>>();
+  }
+  std::vector<std::vector<char>> allgather_bytes(const std::vector<char>& mine) override {
+    py::gil_scoped_acquire gil;
+    py::list got = impl_.attr("allgather_bytes")(py::bytes(mine.data(), mine.size()));
+    std::vector<std::vector<char>> out;
+    for (auto item : got) {
+      std::string b = item.cast<std::string>();
+      out.emplace_back(b.begin(), b.end());
+    }
+    return out;
+  }
+  void broadcast(void* buf, size_t nbytes, int root) override {
+    py::gil_scoped_acquire gil;
+    impl_.attr("broadcast")(view(buf, nbytes), root);
+  }
+  void allgatherv(const void* in, void* out, const std::vector<size_t>& bytes) override {
+    py::gil_scoped_acquire gil;
+    size_t total = 0;
+    for (size_t b : bytes) total += b;
+    impl_.attr("allgatherv")(view(const_cast<void*>(in), bytes[rank_]), view(out, total), bytes);
+  }
+  void oob_allreduce(const void* in, void* out, size_t n, DType dtype, ReduceOp op) override {
+    py::gil_scoped_acquire gil;
+    try {
+      impl_.attr("oob_allreduce")(view(const_cast<void*>(in), n * dtype_size(dtype)),
+                                  view(out, n * dtype_size(dtype)), dtype_name(dtype), op_name(op));
+    } catch (py::error_already_set& e) {
+      // keep the engine's error model: a disagreement poisons the group on every rank
+      if (e.matches(py::module_::import("fastxfer.errors").attr("MismatchError"))) throw Mismatch(e.what());
+      throw;
+    }
+  }
+
+ private:
+  static py::array view(void* p, size_t nbytes) {
+    py::capsule keep(p, [](void*) {});  // the transport owns the memory; the view must not outlive the call
+    return py::array(py::dtype("uint8"), {static_cast<py::ssize_t>(nbytes)}, {1}, static_cast<uint8_t*>(p), keep);
+  }
+  py::object impl_;
+  int rank_ = 0, size_ = 1;
+};
 
 void raise_as(const char* cls, const char* what) {
   py::object t = py::module_::import("fastxfer.errors").attr(cls);
@@ -265,7 +334,7 @@ PYBIND11_MODULE(_core, m) {
   py::class_<Engine>(m, "Engine", "The background collective engine over shared memory (one per process).")
       .def(py::init([](const std::string& name, int rank, int size, size_t window_bytes, size_t oob_bytes,
                        double timeout_s, double attach_timeout_s, int threads, std::vector<int> cpus,
-                       size_t bucket_cap_bytes, int max_records, size_t stream_min_bytes) {
+                       size_t bucket_cap_bytes, int max_records, size_t stream_min_bytes, py::object inter_host) {
              ShmConfig c;
              c.name = name;
              c.rank = rank;
@@ -281,12 +350,17 @@ PYBIND11_MODULE(_core, m) {
              e.bucket_cap_bytes = bucket_cap_bytes;
              e.max_records = max_records;
              e.cpus = std::move(cpus);
+             std::shared_ptr<InterHost> inter;
+             if (!inter_host.is_none()) inter = std::make_shared<PyInterHost>(inter_host);
              py::gil_scoped_release nogil;  // waits for the other ranks to attach
-             return std::make_unique<Engine>(std::make_unique<ShmTransport>(c), e);
+             auto local = std::make_unique<ShmTransport>(c);
+             if (inter) return std::make_unique<Engine>(std::make_unique<HierarchicalTransport>(std::move(local), inter), e);
+             return std::make_unique<Engine>(std::move(local), e);
            }),
            py::arg("name"), py::arg("rank"), py::arg("size"), py::arg("window_bytes"), py::arg("oob_bytes"),
            py::arg("timeout_s"), py::arg("attach_timeout_s"), py::arg("threads"), py::arg("cpus"),
-           py::arg("bucket_cap_bytes"), py::arg("max_records"), py::arg("stream_min_bytes"))
+           py::arg("bucket_cap_bytes"), py::arg("max_records"), py::arg("stream_min_bytes"),
+           py::arg("inter_host") = py::none())
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("size", &Engine::size)
       .def_property_readonly("oob_capacity", &Engine::oob_capacity)

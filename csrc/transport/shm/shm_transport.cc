@@ -272,7 +272,7 @@ std::vector<std::vector<Record>> ShmTransport::exchange_records(const std::vecto
   return all;
 }
 
-void ShmTransport::allreduce(const AllreduceJob& job) {
+void ShmTransport::allreduce_staged(const AllreduceJob& job, const ShardHook& between) {
   const Bucket& b = *job.bucket;
   const int n_ranks = cfg_.size, me = cfg_.rank;
   const size_t es = dtype_size(b.wire_dtype);
@@ -280,7 +280,7 @@ void ShmTransport::allreduce(const AllreduceJob& job) {
   const size_t own_es = dtype_size(b.dtype);
   // Read my own contribution straight from my tensors when no pre-scaling is needed and the
   // reduction kernel has a direct form for this dtype pair.
-  const bool direct = job.prescale == 1.0 &&
+  const bool direct = !between && job.prescale == 1.0 &&
                       ((b.dtype == b.wire_dtype && (b.dtype == DType::kFloat32 || b.dtype == DType::kFloat64)) ||
                        (b.dtype == DType::kFloat32 && b.wire_dtype != DType::kFloat32));
   // Chunk: half a window, split into one 64-byte-aligned shard per rank.
@@ -336,7 +336,8 @@ void ShmTransport::allreduce(const AllreduceJob& job) {
       } else {
         for (int j = 0; j < n_ranks; ++j) srcs[j] = window(j, half) + shard_lo(me) * es;
         reduce_block(job.op, b.wire_dtype, srcs.data(), n_ranks, mine + shard_lo(me) * es, my_hi - my_lo,
-                     job.postscale);
+                     between ? 1.0 : job.postscale);
+        if (between) between(mine + shard_lo(me) * es, my_hi - my_lo, b.wire_dtype);
       }
     }
     double t3 = now_s();

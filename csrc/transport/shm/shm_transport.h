@@ -3,6 +3,7 @@
 #include <cstddef>
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -34,7 +35,11 @@ class ShmTransport : public Transport {
   int rank() const override { return cfg_.rank; }
   int size() const override { return cfg_.size; }
   std::vector<std::vector<Record>> exchange_records(const std::vector<Record>& mine) override;
-  void allreduce(const AllreduceJob& job) override;
+  void allreduce(const AllreduceJob& job) override { allreduce_staged(job, nullptr); }
+  // For the hierarchical transport: after the shard a rank owns is reduced within the host (and
+  // before anyone copies it), `between(shard, n, wire)` runs on it; postscale is then its job.
+  using ShardHook = std::function<void(char* shard, size_t n, DType wire)>;
+  void allreduce_staged(const AllreduceJob& job, const ShardHook& between);
   void broadcast(const void* in, void* out, size_t nbytes, int root) override;
   void allgather(const void* in, void* out, const std::vector<size_t>& bytes) override;
   void oob_allreduce(const Record& rec, const void* in, void* out, size_t n, DType dtype, ReduceOp op,

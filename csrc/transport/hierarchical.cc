@@ -1,0 +1,124 @@
+// Hierarchical transport: local rounds and chunks in shared memory, global agreement and the
+// cross-host leg of every shard through InterHost.
+#include "transport/hierarchical.h"
+
+#include <cstring>
+
+#include "engine/reduce.h"
+
+namespace fastxfer {
+
+namespace {
+
+// Hash of what ranks must agree on: compare_records' fields. allgather's first dimension and
+// element count may differ per rank, so they are left out.
+uint64_t digest(const std::vector<Record>& recs, size_t m) {
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&](const void* p, size_t n) {
+    const unsigned char* c = static_cast<const unsigned char*>(p);
+    for (size_t i = 0; i < n; ++i) h = (h ^ c[i]) * 1099511628211ull;
+  };
+  for (size_t i = 0; i < m; ++i) {
+    const Record& r = recs[i];
+    mix(&r.name_hash, sizeof r.name_hash);
+    mix(&r.kind, sizeof r.kind);
+    mix(&r.dtype, sizeof r.dtype);
+    mix(&r.op, sizeof r.op);
+    mix(&r.compression, sizeof r.compression);
+    mix(&r.root, sizeof r.root);
+    mix(&r.ndim, sizeof r.ndim);
+    mix(&r.shape_hash, sizeof r.shape_hash);
+    mix(&r.prescale, sizeof r.prescale);
+    mix(&r.postscale, sizeof r.postscale);
+    if (static_cast<CollectiveKind>(r.kind) != CollectiveKind::kAllgather) mix(&r.numel, sizeof r.numel);
+  }
+  return h;
+}
+
+}  // namespace
+
+HierarchicalTransport::HierarchicalTransport(std::unique_ptr<ShmTransport> local, std::shared_ptr<InterHost> inter)
+    : local_(std::move(local)), inter_(std::move(inter)) {}
+
+std::vector<std::vector<Record>> HierarchicalTransport::exchange_records(const std::vector<Record>& mine) {
+  auto gather_all = [&](const std::vector<Record>& recs) {
+    std::vector<char> bytes(recs.size() * sizeof(Record));
+    std::memcpy(bytes.data(), recs.data(), bytes.size());
+    std::vector<std::vector<Record>> all;
+    for (const auto& b : inter_->allgather_bytes(bytes)) {
+      std::vector<Record> l(b.size() / sizeof(Record));
+      std::memcpy(l.data(), b.data(), l.size() * sizeof(Record));
+      all.push_back(std::move(l));
+    }
+    return all;
+  };
+  // 1. Within the host, as usual.
+  auto local = local_->exchange_records(mine);
+  size_t m = mine.size();
+  for (const auto& l : local) m = std::min(m, l.size());
+  bool local_ok = true;
+  for (size_t j = 1; j < local.size() && local_ok; ++j)
+    for (size_t i = 0; i < m && local_ok; ++i)
+      local_ok = compare_records(local[0][i], 0, local[j][i], static_cast<int>(j)).empty();
+  // 2. Across hosts: the shortest agreed prefix anywhere (-1: some host disagrees inside), then
+  //    whether everyone's prefix is the same. Every rank takes part in every step, so a
+  //    disagreement anywhere becomes a MismatchError everywhere (with global rank numbers).
+  const int64_t agreed = inter_->min_all(local_ok ? static_cast<int64_t>(m) : -1);
+  if (agreed < 0) return gather_all(mine);
+  std::vector<Record> prefix(mine.begin(), mine.begin() + agreed);
+  const std::vector<uint64_t> digests = inter_->allgather_u64(digest(mine, static_cast<size_t>(agreed)));
+  for (uint64_t d : digests)
+    if (d != digests[0]) return gather_all(prefix);
+  // 3. Identical everywhere. allgather needs every rank's size: fetch those few numbers.
+  std::vector<size_t> gathers;
+  for (size_t i = 0; i < prefix.size(); ++i)
+    if (static_cast<CollectiveKind>(prefix[i].kind) == CollectiveKind::kAllgather) gathers.push_back(i);
+  std::vector<std::vector<Record>> all(inter_->size(), prefix);
+  if (!gathers.empty()) {
+    std::vector<char> mine_sizes(gathers.size() * 2 * sizeof(int64_t));
+    for (size_t k = 0; k < gathers.size(); ++k) {
+      int64_t v[2] = {prefix[gathers[k]].numel, prefix[gathers[k]].ndim > 0 ? prefix[gathers[k]].shape[0] : 1};
+      std::memcpy(mine_sizes.data() + k * sizeof v, v, sizeof v);
+    }
+    auto sizes = inter_->allgather_bytes(mine_sizes);
+    for (size_t j = 0; j < sizes.size(); ++j)
+      for (size_t k = 0; k < gathers.size(); ++k) {
+        int64_t v[2];
+        std::memcpy(v, sizes[j].data() + k * sizeof v, sizeof v);
+        all[j][gathers[k]].numel = v[0];
+        if (all[j][gathers[k]].ndim > 0) all[j][gathers[k]].shape[0] = v[1];
+      }
+  }
+  return all;
+}
+
+void HierarchicalTransport::allreduce(const AllreduceJob& job) {
+  // Reduce each shard within the host (unscaled), across hosts, then scale once.
+  local_->allreduce_staged(job, [&](char* shard, size_t n, DType wire) {
+    inter_->allreduce_shard(shard, n, wire, job.op);
+    if (job.postscale != 1.0) {
+      const void* src = shard;
+      reduce_block(job.op, wire, &src, 1, shard, n, job.postscale);
+    }
+  });
+}
+
+void HierarchicalTransport::broadcast(const void* in, void* out, size_t nbytes, int root) {
+  if (inter_->rank() == root && out != in) std::memcpy(out, in, nbytes);
+  inter_->broadcast(out, nbytes, root);
+}
+
+void HierarchicalTransport::allgather(const void* in, void* out, const std::vector<size_t>& bytes) {
+  inter_->allgatherv(in, out, bytes);
+}
+
+void HierarchicalTransport::oob_allreduce(const Record&, const void* in, void* out, size_t n, DType dtype,
+                                          ReduceOp op, double postscale) {
+  inter_->oob_allreduce(in, out, n, dtype, op);
+  if (postscale != 1.0) {
+    const void* src = out;
+    reduce_block(op, dtype, &src, 1, out, n, postscale);
+  }
+}
+
+}  // namespace fastxfer

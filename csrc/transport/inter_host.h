@@ -1,0 +1,32 @@
+// The link between hosts: what the hierarchical transport needs from MPI (or any other
+// inter-host engine). Buffers are this rank's; `n` elements of `dtype`; every call is collective
+// over the ranks named in its comment, and all of them must call it in the same order.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "common/dtype.h"
+#include "engine/collective.h"
+
+namespace fastxfer {
+
+class InterHost {
+ public:
+  virtual ~InterHost() = default;
+  virtual int rank() const = 0;   // global rank
+  virtual int size() const = 0;   // global size
+  // In place, among the ranks with this rank's local rank on every host (one per host).
+  // bf16/fp16 buffers hold wire values; sums round at each step (as NCCL's 16-bit allreduce does).
+  virtual void allreduce_shard(void* buf, size_t n, DType dtype, ReduceOp op) = 0;
+  // Over all ranks:
+  virtual int64_t min_all(int64_t v) = 0;
+  virtual std::vector<uint64_t> allgather_u64(uint64_t v) = 0;
+  virtual std::vector<std::vector<char>> allgather_bytes(const std::vector<char>& mine) = 0;
+  virtual void broadcast(void* buf, size_t nbytes, int root) = 0;
+  virtual void allgatherv(const void* in, void* out, const std::vector<size_t>& bytes) = 0;
+  // On a separate communicator, from the calling (not the engine) thread:
+  virtual void oob_allreduce(const void* in, void* out, size_t n, DType dtype, ReduceOp op) = 0;
+};
+
+}  // namespace fastxfer

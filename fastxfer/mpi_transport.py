@@ -1,0 +1,95 @@
+"""The link between hosts, on mpi4py: used by the hierarchical transport (shared memory inside
+each host, MPI between hosts). The engine thread calls these methods; mpi4py releases the GIL
+while MPI works.
+
+Communicators (all split or duplicated from COMM_WORLD, so fastxfer never disturbs the user's):
+``cross``: the ranks with this rank's local rank, one per host (each carries its shard of every
+chunk); ``world``: agreement rounds, broadcast, allgather; ``oob``: oob_allreduce, which runs on
+the caller's thread concurrently with the engine (MPI_THREAD_MULTIPLE is required).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from fastxfer import _core
+from fastxfer.errors import FastxferError, MismatchError
+
+_NUMPY = {"float32": np.float32, "float64": np.float64, "int32": np.int32, "int64": np.int64,
+          "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+
+
+class MPIInterHost:
+    def __init__(self, comm, local_rank: int, host_index: int):
+        from mpi4py import MPI
+
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise FastxferError("fastxfer's MPI transport needs MPI_THREAD_MULTIPLE (mpi4py's default); this MPI "
+                                f"was initialised with thread level {MPI.Query_thread()}")
+        self._MPI = MPI
+        self.world = comm.Dup()
+        self.oob = comm.Dup()
+        self.cross = comm.Split(color=local_rank, key=host_index)
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self._builtin = {"sum": MPI.SUM, "average": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX}
+        self._mpi_types = {"float32": MPI.FLOAT, "float64": MPI.DOUBLE, "int32": MPI.INT32_T, "int64": MPI.INT64_T}
+        self._ops: dict[tuple[str, str], object] = {}
+
+    # -- 16-bit floats: MPI has no bf16/fp16 sum; reduce with fastxfer's kernels ------------------
+    def _op16(self, dtype: str, op: str):
+        key = (dtype, op)
+        if key not in self._ops:
+            wire = np.dtype(_NUMPY[dtype])
+            kind = "bf16" if dtype == "bfloat16" else "fp16"
+
+            def combine(inbuf, inoutbuf, datatype, wire=wire, kind=kind, op=op):
+                a = np.frombuffer(inbuf, wire)
+                b = np.frombuffer(inoutbuf, wire)
+                if op in ("sum", "average"):
+                    _core.sum_compress(a, b, b, kind, 1)  # b = round(a + b), in float32
+                else:
+                    f = np.minimum if op == "min" else np.maximum
+                    np.copyto(b, f(a.astype(np.float32), b.astype(np.float32)).astype(wire))
+
+            self._ops[key] = self._MPI.Op.Create(combine, commute=True)
+        return self._ops[key]
+
+    def _reduce(self, comm, buf: np.ndarray, dtype: str, op: str) -> None:
+        MPI = self._MPI
+        if dtype in self._mpi_types:
+            comm.Allreduce(MPI.IN_PLACE, [buf.view(_NUMPY[dtype]), self._mpi_types[dtype]], op=self._builtin[op])
+        else:
+            comm.Allreduce(MPI.IN_PLACE, [buf.view(np.uint16), MPI.UINT16_T], op=self._op16(dtype, op))
+
+    # -- InterHost ----------------------------------------------------------------------------------
+    def allreduce_shard(self, buf: np.ndarray, dtype: str, op: str) -> None:
+        self._reduce(self.cross, buf, dtype, op)
+
+    def min_all(self, v: int) -> int:
+        return self.world.allreduce(int(v), op=self._MPI.MIN)
+
+    def allgather_u64(self, v: int) -> list[int]:
+        return self.world.allgather(int(v))
+
+    def allgather_bytes(self, b: bytes) -> list[bytes]:
+        return self.world.allgather(bytes(b))
+
+    def broadcast(self, buf: np.ndarray, root: int) -> None:
+        self.world.Bcast([buf, self._MPI.BYTE], root=root)
+
+    def allgatherv(self, mine: np.ndarray, out: np.ndarray, sizes: list[int]) -> None:
+        displs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int).tolist()
+        self.world.Allgatherv([mine, self._MPI.BYTE], [out, (list(map(int, sizes)), displs), self._MPI.BYTE])
+
+    def oob_allreduce(self, src: np.ndarray, out: np.ndarray, dtype: str, op: str) -> None:
+        sig = (src.nbytes, dtype, op)
+        sigs = self.oob.allgather(sig)
+        if any(s != sig for s in sigs):
+            first = next(r for r, s in enumerate(sigs) if s != sigs[0])
+            raise MismatchError(f"oob_allreduce: rank 0 submitted {sigs[0][0]} bytes of {sigs[0][1]} op={sigs[0][2]} "
+                                f"but rank {first} submitted {sigs[first][0]} bytes of {sigs[first][1]} "
+                                f"op={sigs[first][2]}")
+        np.copyto(out, src)
+        self._reduce(self.oob, out, dtype, op)
