@@ -143,6 +143,31 @@ def test_bad_arguments(single):
     np.testing.assert_array_equal(fx.allreduce(np.ones(3), op="sum"), np.ones(3))
 
 
+def test_engine_thread_is_pinned_to_the_given_cpus():
+    import os
+
+    def read(path):
+        with open(path) as f:
+            return f.read()
+
+    cpu = sorted(os.sched_getaffinity(0))[-1]
+    fx.init(engine_cpus=[cpu])
+    try:
+        tasks = f"/proc/{os.getpid()}/task"
+        engine = [t for t in os.listdir(tasks) if read(f"{tasks}/{t}/comm").strip() == "fastxfer-engine"]
+        assert len(engine) == 1
+        status = read(f"{tasks}/{engine[0]}/status")
+        allowed = [ln.split(":")[1].strip() for ln in status.splitlines() if ln.startswith("Cpus_allowed_list")]
+        assert allowed == [str(cpu)]
+        assert fx.allreduce(np.ones(3), op="sum").tolist() == [1.0] * 3
+    finally:
+        fx.shutdown()
+    with pytest.raises(ValueError, match="not all in this process's CPU set"):
+        fx.init(engine_cpus=[10_000])
+    with pytest.raises(fx.FastxferError, match="bad CPU list"):
+        fx.init(engine_cpus="0-x")
+
+
 def test_init_twice_is_harmless_and_shutdown_then_reinit(single):
     fx.init()
     assert fx.size() == 1

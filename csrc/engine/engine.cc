@@ -27,6 +27,7 @@ namespace fastxfer {
 Engine::Engine(std::unique_ptr<Transport> transport, const EngineConfig& cfg)
     : transport_(std::move(transport)), cfg_(cfg) {
   thread_ = std::thread([this] { loop(); });
+  pthread_setname_np(thread_.native_handle(), "fastxfer-engine");  // visible in top -H, gdb, /proc
   if (!cfg_.cpus.empty()) {
     cpu_set_t set;
     CPU_ZERO(&set);
