@@ -117,17 +117,6 @@ template <class C, bool kScale>
 inline void compress_impl(const float* src, uint16_t* dst, size_t n, float scale) {
   __m512 s = _mm512_set1_ps(scale);
   size_t i = 0;
-  // Two vectors per step, written as one full 64-byte line: fewer partial-line stores, and two
-  // independent conversions in flight.
-  for (; i + 32 <= n; i += 32) {
-    __m512 x0 = _mm512_loadu_ps(src + i), x1 = _mm512_loadu_ps(src + i + 16);
-    if (kScale) {
-      x0 = _mm512_mul_ps(x0, s);
-      x1 = _mm512_mul_ps(x1, s);
-    }
-    __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(C::enc(x0)), C::enc(x1), 1);
-    _mm512_storeu_si512(reinterpret_cast<void*>(dst + i), both);
-  }
   for (; i + 16 <= n; i += 16) {
     __m512 x = _mm512_loadu_ps(src + i);
     if (kScale) x = _mm512_mul_ps(x, s);
