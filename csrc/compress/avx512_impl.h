@@ -15,17 +15,15 @@ namespace {
 
 inline __mmask16 tail_mask(size_t r) { return static_cast<__mmask16>((1u << r) - 1u); }
 
-inline __mmask16 nan_mask(__m512i u) {
-  __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
-  return _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7f800000));
-}
+// One vfpclassps for the lanes that need care: quiet NaN (0x01) | signalling NaN (0x80).
+inline __mmask16 nan_mask(__m512 x) { return _mm512_fpclass_ps_mask(x, 0x81); }
 
 inline __m256i bf16_round_bits(__m512i u) {
   __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
   __m512i nanv = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x8000)),
                                  _mm512_set1_epi32(0x7fc0));
-  r = _mm512_mask_mov_epi32(r, nan_mask(u), nanv);
+  r = _mm512_mask_mov_epi32(r, nan_mask(_mm512_castsi512_ps(u)), nanv);
   return _mm512_cvtepi32_epi16(r);
 }
 
@@ -38,10 +36,8 @@ struct Bf16 {
     __m256bh nb = _mm512_cvtneps_pbh(x);
     __m256i r;
     __builtin_memcpy(&r, &nb, sizeof(r));
-    __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
-    __mmask16 special = _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7f800000)) |
-                        _mm512_cmplt_epu32_mask(_mm512_sub_epi32(a, _mm512_set1_epi32(1)),
-                                                _mm512_set1_epi32(0x7fffff));
+    // quiet NaN | denormal | signalling NaN, in one vfpclassps
+    __mmask16 special = _mm512_fpclass_ps_mask(x, 0x01 | 0x20 | 0x80);
     if (__builtin_expect(special != 0, 0)) r = _mm256_mask_mov_epi16(r, special, bf16_round_bits(u));
     return r;
 #else
@@ -57,7 +53,7 @@ struct Fp16 {
   static inline __m256i enc(__m512 x) {
     __m256i r = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512i u = _mm512_castps_si512(x);
-    __mmask16 m = nan_mask(u);
+    __mmask16 m = nan_mask(x);
     if (__builtin_expect(m != 0, 0)) {
       // numpy: sign | 0x7c00 | top 10 payload bits, lowest bit set if those are all zero
       __m512i p = _mm512_srli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffff)), 13);

@@ -54,29 +54,24 @@ def _expected(size: int, n: int) -> np.ndarray:
 # ---- workers (one process per rank) ---------------------------------------------------------
 
 def _time_sweep(rank, size, sizes, scale, barrier, ops, results):
-    """ops: {label: op(x, out)}. At each size the labels take turns iteration by iteration, so a
-    slow phase of a shared machine hits all of them alike."""
-    for nbytes in sizes:
-        n = nbytes // 4
-        x = _pattern(rank, n)
-        want = _expected(size, n)
-        outs = {label: np.empty_like(x) for label in ops}
-        wrong = {}
-        for label, op in ops.items():
-            res = op(x, outs[label])
-            got = res if res is not None else outs[label]
-            wrong[label] = int(np.count_nonzero(got != want))
-        times = {label: [] for label in ops}
-        for _ in range(_iters(nbytes, scale)):
-            for label, op in ops.items():
+    """ops: {label: op(x, out)}. Each label runs all its iterations at a size before the next label
+    starts (as nccl-tests does: interleaving would let one variant's buffers evict another's)."""
+    for label, op in ops.items():
+        for nbytes in sizes:
+            n = nbytes // 4
+            x = _pattern(rank, n)
+            out = np.empty_like(x)
+            res = op(x, out)
+            got = res if res is not None else out
+            wrong = int(np.count_nonzero(got != _expected(size, n)))
+            times = []
+            for _ in range(_iters(nbytes, scale)):
                 barrier()
                 t0 = time.perf_counter()
-                op(x, outs[label])
-                times[label].append(time.perf_counter() - t0)
-        for label in ops:
-            results.append({"impl": label, "bytes": nbytes, "p50": statistics.median(times[label]),
-                            "wrong": wrong[label], "iters": len(times[label])})
-    results.sort(key=lambda r: list(ops).index(r["impl"]))  # group rows by implementation
+                op(x, out)
+                times.append(time.perf_counter() - t0)
+            results.append({"impl": label, "bytes": nbytes, "p50": statistics.median(times), "wrong": wrong,
+                            "iters": len(times)})
 
 
 def _worker(impl: str, sizes: list[int], scale: float, out_path: str) -> None:
