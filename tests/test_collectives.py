@@ -82,6 +82,35 @@ def test_shutdown_while_a_peer_still_reduces_is_a_mismatch_not_a_hang():
     assert r.returncode == 4
 
 
+def test_segment_is_owner_only_and_gone_once_everyone_attached():
+    import os
+    import stat
+    import subprocess
+    import sys
+    import time
+
+    from _launch import WORKERS, fastxfer_cmd
+
+    before = set(fastxfer_segments())
+    p = subprocess.Popen(fastxfer_cmd() + ["run", "-np", "2", "--", sys.executable, f"{WORKERS}/{W}", "slow_attach"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+    seen = None
+    deadline = time.monotonic() + 30
+    while seen is None and time.monotonic() < deadline and p.poll() is None:
+        new = [n for n in fastxfer_segments() if n not in before]
+        if new:
+            seen = new[0]
+            mode = stat.S_IMODE(os.stat(f"/dev/shm/{seen}").st_mode)
+            # unguessable: the launcher's pid plus 128 random bits
+            assert re.fullmatch(r"fastxfer-\d+-[0-9a-f]{32}", seen), seen
+        time.sleep(0.02)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, out + err
+    assert seen is not None, "the segment was never visible while rank 1 was late"
+    assert mode == 0o600
+    assert set(fastxfer_segments()) == before
+
+
 def test_layout_from_launcher():
     r = launch(3, W, "info")
     assert r.returncode == 0, r.stderr

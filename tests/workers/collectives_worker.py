@@ -229,6 +229,15 @@ def info():
 
 if __name__ == "__main__":
     mode = sys.argv[1]
+    if mode == "slow_attach":
+        # rank 1 joins late, so the segment exists (created by rank 0) for a while
+        if int(os.environ.get("FASTXFER_RANK", "0")) == 1:
+            time.sleep(3)
+        fx.init()
+        fx.barrier()
+        print(f"OK slow_attach on rank {fx.rank()}")
+        fx.shutdown()
+        sys.exit(0)
     fx.init()
     if mode == "sweep":
         sweep()
