@@ -70,27 +70,9 @@ struct Fp16 {
   }
 };
 
-// Runs f(i, stream) over the whole 8-float steps of [0, n) and returns where the scalar tail
-// starts. With streaming stores on, the head is done with scalar steps (tail(b, e)) until `out`
-// is 32-byte aligned, then the aligned middle is flagged `stream`, followed by a fence.
-template <class F, class T>
-inline size_t for_each_8(size_t n, const float* out, F&& f, T&& tail) {
-  size_t i = 0;
-  const uintptr_t addr = reinterpret_cast<uintptr_t>(out);
-  if (stream_stores() && n >= kStreamMinElements && (addr & 3) == 0) {
-    size_t peel = ((32 - (addr & 31)) & 31) / 4;
-    tail(size_t(0), peel);
-    for (i = peel; i + 8 <= n; i += 8) f(i, true);
-    _mm_sfence();
-  }
-  for (; i + 8 <= n; i += 8) f(i, false);
-  return i;
-}
-
-inline void store_f32(float* p, __m256 v, bool stream) {
-  if (stream) _mm256_stream_ps(p, v);
-  else _mm256_storeu_ps(p, v);
-}
+// The AVX2 path ignores stream_stores(): a 32-byte non-temporal store fills half a line, and with
+// other stores in between the write-combining buffer is flushed half full (measured 2x slower in
+// the two-rank reduce). The AVX-512 path streams whole 64-byte lines.
 
 inline __m128i load8(const uint16_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 inline void store8(uint16_t* p, __m128i v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), v); }
@@ -111,17 +93,12 @@ template <class C>
 void decompress(const uint16_t* src, float* dst, size_t n, float scale) {
   const bool do_scale = scale != 1.0f;
   const __m256 s = _mm256_set1_ps(scale);
-  auto tail = [&](size_t b, size_t e) {
-    scalar_loops::decompress<typename C::Scalar>(src + b, dst + b, e - b, scale);
-  };
-  size_t i = for_each_8(
-      n, dst,
-      [&](size_t j, bool stream) {
-        __m256 x = C::dec(load8(src + j));
-        store_f32(dst + j, do_scale ? _mm256_mul_ps(x, s) : x, stream);
-      },
-      tail);
-  tail(i, n);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 x = C::dec(load8(src + i));
+    _mm256_storeu_ps(dst + i, do_scale ? _mm256_mul_ps(x, s) : x);
+  }
+  scalar_loops::decompress<typename C::Scalar>(src + i, dst + i, n - i, scale);
 }
 
 template <class C>
@@ -143,49 +120,38 @@ template <class C>
 void sum2_direct(const float* own, const uint16_t* peer, uint16_t* dst, float* out, size_t n, float scale) {
   const bool do_scale = scale != 1.0f;
   const __m256 s = _mm256_set1_ps(scale);
-  auto tail = [&](size_t b, size_t e) {
-    scalar_loops::sum2_direct<typename C::Scalar>(own + b, peer + b, dst + b, out + b, e - b, scale);
-  };
-  size_t i = for_each_8(
-      n, out,
-      [&](size_t j, bool stream) {
-        __m256 v = _mm256_add_ps(C::dec(C::enc(_mm256_loadu_ps(own + j))), C::dec(load8(peer + j)));
-        __m128i d = C::enc(do_scale ? _mm256_mul_ps(v, s) : v);
-        store8(dst + j, d);
-        store_f32(out + j, C::dec(d), stream);
-      },
-      tail);
-  tail(i, n);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_add_ps(C::dec(C::enc(_mm256_loadu_ps(own + i))), C::dec(load8(peer + i)));
+    __m128i d = C::enc(do_scale ? _mm256_mul_ps(v, s) : v);
+    store8(dst + i, d);
+    _mm256_storeu_ps(out + i, C::dec(d));
+  }
+  scalar_loops::sum2_direct<typename C::Scalar>(own + i, peer + i, dst + i, out + i, n - i, scale);
 }
 
 void sum2_f32(const float* a, const float* b, float* dst, float* out, size_t n, float scale) {
   const bool do_scale = scale != 1.0f;
   const __m256 s = _mm256_set1_ps(scale);
-  auto tail = [&](size_t lo, size_t hi) { scalar_loops::sum2_f32(a + lo, b + lo, dst + lo, out + lo, hi - lo, scale); };
-  size_t i = for_each_8(
-      n, out,
-      [&](size_t j, bool stream) {
-        __m256 v = _mm256_add_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j));
-        if (do_scale) v = _mm256_mul_ps(v, s);
-        _mm256_storeu_ps(dst + j, v);
-        store_f32(out + j, v, stream);
-      },
-      tail);
-  tail(i, n);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_add_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i));
+    if (do_scale) v = _mm256_mul_ps(v, s);
+    _mm256_storeu_ps(dst + i, v);
+    _mm256_storeu_ps(out + i, v);
+  }
+  scalar_loops::sum2_f32(a + i, b + i, dst + i, out + i, n - i, scale);
 }
 
 void scale_f32(const float* src, float* dst, size_t n, float scale) {
   const bool do_scale = scale != 1.0f;
   const __m256 s = _mm256_set1_ps(scale);
-  auto tail = [&](size_t b, size_t e) { scalar_loops::scale_f32(src + b, dst + b, e - b, scale); };
-  size_t i = for_each_8(
-      n, dst,
-      [&](size_t j, bool stream) {
-        __m256 x = _mm256_loadu_ps(src + j);
-        store_f32(dst + j, do_scale ? _mm256_mul_ps(x, s) : x, stream);
-      },
-      tail);
-  tail(i, n);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 x = _mm256_loadu_ps(src + i);
+    _mm256_storeu_ps(dst + i, do_scale ? _mm256_mul_ps(x, s) : x);
+  }
+  scalar_loops::scale_f32(src + i, dst + i, n - i, scale);
 }
 
 void accumulate_f32(float* acc, const float* src, size_t n) {
