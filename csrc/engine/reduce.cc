@@ -31,25 +31,30 @@ inline T combine(ReduceOp op, T a, T b) {
   return a;
 }
 
+// acc[0, m) = scale * op over srcs[j][b, b + m), in rank order.
+template <class T, class S>
+inline void combine_block(ReduceOp op, const void* const* srcs, int nsrc, size_t b, size_t m, S scale, T* acc) {
+  std::memcpy(acc, static_cast<const T*>(srcs[0]) + b, m * sizeof(T));
+  for (int j = 1; j < nsrc; ++j) {
+    const T* s = static_cast<const T*>(srcs[j]) + b;
+    if (op == ReduceOp::kSum || op == ReduceOp::kAverage) {
+      for (size_t i = 0; i < m; ++i) acc[i] += s[i];
+    } else {
+      for (size_t i = 0; i < m; ++i) acc[i] = combine(op, acc[i], s[i]);
+    }
+  }
+  if (scale != S(1)) {
+    for (size_t i = 0; i < m; ++i) acc[i] = static_cast<T>(acc[i] * scale);
+  }
+}
+
 template <class T, class S>
 void reduce_native(ReduceOp op, const void* const* srcs, int nsrc, void* dst, size_t n, S scale) {
   T acc[kBlock];
-  T* out = static_cast<T*>(dst);
   for (size_t b = 0; b < n; b += kBlock) {
     size_t m = std::min(kBlock, n - b);
-    std::memcpy(acc, static_cast<const T*>(srcs[0]) + b, m * sizeof(T));
-    for (int j = 1; j < nsrc; ++j) {
-      const T* s = static_cast<const T*>(srcs[j]) + b;
-      if (op == ReduceOp::kSum || op == ReduceOp::kAverage) {
-        for (size_t i = 0; i < m; ++i) acc[i] += s[i];
-      } else {
-        for (size_t i = 0; i < m; ++i) acc[i] = combine(op, acc[i], s[i]);
-      }
-    }
-    if (scale != S(1)) {
-      for (size_t i = 0; i < m; ++i) acc[i] = static_cast<T>(acc[i] * scale);
-    }
-    std::memcpy(out + b, acc, m * sizeof(T));
+    combine_block<T, S>(op, srcs, nsrc, b, m, scale, acc);
+    std::memcpy(static_cast<T*>(dst) + b, acc, m * sizeof(T));
   }
 }
 
@@ -78,18 +83,7 @@ void reduce_native_direct(ReduceOp op, const void* const* srcs, int nsrc, void* 
   T acc[kBlock];
   for (size_t b = 0; b < n; b += kBlock) {
     size_t m = std::min(kBlock, n - b);
-    std::memcpy(acc, static_cast<const T*>(srcs[0]) + b, m * sizeof(T));
-    for (int j = 1; j < nsrc; ++j) {
-      const T* s = static_cast<const T*>(srcs[j]) + b;
-      if (op == ReduceOp::kSum || op == ReduceOp::kAverage) {
-        for (size_t i = 0; i < m; ++i) acc[i] += s[i];
-      } else {
-        for (size_t i = 0; i < m; ++i) acc[i] = combine(op, acc[i], s[i]);
-      }
-    }
-    if (scale != S(1)) {
-      for (size_t i = 0; i < m; ++i) acc[i] = static_cast<T>(acc[i] * scale);
-    }
+    combine_block<T, S>(op, srcs, nsrc, b, m, scale, acc);
     std::memcpy(static_cast<T*>(dst) + b, acc, m * sizeof(T));
     std::memcpy(static_cast<T*>(out) + b, acc, m * sizeof(T));
   }
