@@ -32,6 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_arguments(runp)
     runp.set_defaults(func=run.main)
 
+    from fastxfer import topology
+
+    topo = sub.add_parser("topo", help="machine topology and the worker placement plan",
+                          description=topology.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    topology.add_arguments(topo)
+    topo.set_defaults(func=topology.main)
+
     bench = sub.add_parser("bench", help="side-by-side benchmarks against the installed peers")
     bsub = bench.add_subparsers(dest="bench", required=True)
     from fastxfer.bench import compress

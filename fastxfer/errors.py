@@ -11,3 +11,8 @@ class PeerFailureError(FastxferError):
 
 class MismatchError(FastxferError):
     """Ranks disagree on tensor names, shapes, dtypes, counts or order."""
+
+
+class TopologyError(FastxferError):
+    """A topology file (sysfs/procfs, or a --root snapshot) is missing or malformed, or the
+    machine cannot host the requested workers."""

@@ -190,6 +190,9 @@ def init(*, timeout: float | None = None, engine_cpus: list[int] | str | None = 
         if any(c not in allowed for c in cpus):
             raise ValueError(f"engine_cpus {cpus} are not all in this process's CPU set {sorted(allowed)}")
         stream_min = int(float(os.environ.get("FASTXFER_STREAM_MIN_MB", "4")) * (1 << 20))
+        from fastxfer.topology import apply_thread_settings
+
+        apply_thread_settings()  # TensorFlow's thread counts from `fastxfer run --bind`, if loaded
         _engine = _core.Engine(layout.segment, layout.local_rank, layout.local_size, window, oob, float(timeout),
                                _float_env("FASTXFER_ATTACH_TIMEOUT", 120), threads, cpus, cap, 1024,
                                max(0, stream_min), layout.inter_host)

@@ -82,9 +82,11 @@ def _pump(stream, out, prefix: bytes, lock: threading.Lock) -> None:
 
 
 class Job:
-    def __init__(self, np_: int, command: list[str], grace: float, extra_env: dict[str, str] | None = None):
+    def __init__(self, np_: int, command: list[str], grace: float, extra_env: dict[str, str] | None = None,
+                 placement: list[dict] | None = None):
         self.np = np_
         self.command = command
+        self.placement = placement  # per-rank plan from fastxfer.topology, or None (no binding)
         self.grace = grace
         self.job_id = f"{os.getpid()}-{secrets.token_hex(16)}"
         self.extra_env = extra_env or {}
@@ -97,6 +99,9 @@ class Job:
     def _env(self, rank: int) -> dict[str, str]:
         env = dict(os.environ)
         env.update(self.extra_env)
+        if self.placement is not None:
+            for k, v in self.placement[rank]["env"].items():
+                env.setdefault(k, v)  # the user's own settings win
         env.update({
             "FASTXFER_RANK": str(rank),
             "FASTXFER_SIZE": str(self.np),
@@ -110,8 +115,13 @@ class Job:
     def start(self) -> None:
         width = len(str(self.np - 1))
         for r in range(self.np):
+            cmd = self.command
+            if self.placement is not None:
+                w = self.placement[r]
+                cmd = [sys.executable, "-m", "fastxfer.bindexec", "--cpus", w["cpus"], "--mems",
+                       ",".join(map(str, w["mem_nodes"])), "--"] + cmd
             try:
-                p = subprocess.Popen(self.command, env=self._env(r), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                p = subprocess.Popen(cmd, env=self._env(r), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
             except OSError as e:
                 self.signal_all(signal.SIGKILL)
@@ -226,8 +236,10 @@ def mpirun_command(np_: int, hosts: list[tuple[str, int]], command: list[str]) -
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-np", "--np", dest="np", type=int, required=True, help="number of workers")
-    p.add_argument("--bind", choices=["none"], default="none",
-                   help="CPU/memory binding of the workers (socket/numa arrive with the topology probe)")
+    p.add_argument("--bind", choices=["socket", "numa", "none"], default="none",
+                   help="bind each worker to its cores and memory per `fastxfer topo --workers N` (socket: one "
+                        "worker per socket when N matches, numa: per NUMA node when N matches, else even "
+                        "splits) and set OMP/KMP/TF thread variables; default none")
     p.add_argument("--hosts", help="h1:n,h2:n — run through mpirun on these hosts")
     p.add_argument("--grace", type=float, default=float(os.environ.get("FASTXFER_GRACE", 10)),
                    help="seconds the other ranks get to stop by themselves after one fails (default 10)")
@@ -252,6 +264,17 @@ def main(args: argparse.Namespace) -> int:
             env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
             env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         return subprocess.call(cmd, env=env)
-    job = Job(args.np, command, args.grace)
+    placement = None
+    if args.bind != "none":
+        from fastxfer import topology
+        from fastxfer.errors import TopologyError
+
+        try:
+            placement = topology.plan(args.np, prefer=args.bind)["workers"]
+        except TopologyError as e:
+            raise SystemExit(f"fastxfer run: cannot place {args.np} workers: {e}") from None
+        for w in placement:
+            print(f"fastxfer run: rank {w['local_rank']}: {w['numactl']}", file=sys.stderr, flush=True)
+    job = Job(args.np, command, args.grace, placement=placement)
     job.start()
     return job.wait()
