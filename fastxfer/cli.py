@@ -11,6 +11,10 @@ def _bench(args: argparse.Namespace) -> int:
         from fastxfer.bench import compress
 
         return compress.main(args)
+    if args.bench == "placement":
+        from fastxfer.bench import placement
+
+        return placement.main(args)
     if args.bench == "allreduce":
         from fastxfer.bench import allreduce
 
@@ -51,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     allreduce.add_arguments(bsub.add_parser(
         "allreduce", help="nccl-tests-style allreduce sweep vs torch gloo, mpi4py, Horovod; alpha-beta model",
         description=allreduce.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+    from fastxfer.bench import placement
+
+    placement.add_arguments(bsub.add_parser(
+        "placement", help="2-worker training-like step: unbound vs --bind numa vs engine pinned",
+        description=placement.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     bench.set_defaults(func=_bench)
     return p
 
