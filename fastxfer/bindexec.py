@@ -1,4 +1,4 @@
-"""``python -m fastxfer.bindexec --cpus LIST [--mems LIST] -- CMD...``: bind this process's CPUs
+"""``python .../fastxfer/bindexec.py --cpus LIST [--mems LIST] -- CMD...``: bind this process's CPUs
 (sched_setaffinity) and memory (set_mempolicy MPOL_BIND), then exec CMD, which inherits both.
 `fastxfer run --bind` starts each worker through it (no numactl binary needed)."""
 

@@ -118,8 +118,10 @@ class Job:
             cmd = self.command
             if self.placement is not None:
                 w = self.placement[r]
-                cmd = [sys.executable, "-m", "fastxfer.bindexec", "--cpus", w["cpus"], "--mems",
-                       ",".join(map(str, w["mem_nodes"])), "--"] + cmd
+                # by file, not `-m`: `-m` would put the working directory first on sys.path
+                bindexec = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bindexec.py")
+                cmd = [sys.executable, bindexec, "--cpus", w["cpus"], "--mems", ",".join(map(str, w["mem_nodes"])),
+                       "--"] + cmd
             try:
                 p = subprocess.Popen(cmd, env=self._env(r), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      stdin=subprocess.DEVNULL, start_new_session=True)

@@ -64,9 +64,13 @@ def test_usage_errors(tmp_path):
     assert r.returncode != 0 and "no command given" in r.stderr
     r = subprocess.run(fastxfer_cmd() + ["run", "-np", "0", "--", "true"], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "-np must be at least 1" in r.stderr
-    r = subprocess.run(fastxfer_cmd() + ["run", "-np", "2", "--bind", "socket", "--", "true"], capture_output=True,
+    r = subprocess.run(fastxfer_cmd() + ["run", "-np", "2", "--bind", "core", "--", "true"], capture_output=True,
                        text=True, timeout=60)
-    assert r.returncode == 2 and "invalid choice: 'socket'" in r.stderr
+    assert r.returncode == 2 and "invalid choice: 'core'" in r.stderr
+    # binding works from any working directory, this checkout included
+    r = subprocess.run(fastxfer_cmd() + ["run", "-np", "1", "--bind", "socket", "--", "true"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
     env = dict(os.environ, PATH=str(tmp_path))  # an empty PATH: no mpirun
     r = subprocess.run(fastxfer_cmd() + ["run", "-np", "2", "--hosts", "a:1,b:1", "--", "true"], capture_output=True,
                        text=True, timeout=60, env=env)
