@@ -43,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     topology.add_arguments(topo)
     topo.set_defaults(func=topology.main)
 
+    from fastxfer.data import cli as data_cli
+
+    data = sub.add_parser("data", help="packed dataset format: pack, info")
+    data_cli.add_arguments(data)
+    data.set_defaults(func=data_cli.main)
+
     bench = sub.add_parser("bench", help="side-by-side benchmarks against the installed peers")
     bsub = bench.add_subparsers(dest="bench", required=True)
     from fastxfer.bench import compress

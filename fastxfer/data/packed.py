@@ -1,0 +1,263 @@
+"""The packed dataset format: one memory-mappable file holding every encoded image back to back,
+an index (offset, size, CRC-32, label, height, width per record) and the class names.
+
+Layout (little-endian)::
+
+    [header 64 B][records ...][index: count x 24 B][metadata JSON][footer 64 B]
+
+The footer is written last and repeats what the header cannot know in advance (index offset,
+record count, index CRC); a file without a valid footer is incomplete. Packing writes to
+``OUT.partial-<pid>`` and renames it over ``OUT`` only after flushing, so a crash never leaves a
+file named OUT that looks valid. Every record carries a CRC-32: readers check it (``verify=True``)
+and a mismatch raises CorruptRecordError naming the record.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import sys
+import time
+import zlib
+from collections.abc import Iterable
+
+import numpy as np
+
+from fastxfer.errors import FastxferError
+
+MAGIC = b"FXPACK\x00\x01"
+FOOTER_MAGIC = b"FXPKEND\x01"
+VERSION = 1
+HEADER = struct.Struct("<8sIIQQ32x")   # magic, version, flags, data_offset, reserved(Q), pad -> 64 B
+FOOTER = struct.Struct("<8sQQQQII16x")  # magic, record_count, index_offset, meta_offset, meta_bytes, index_crc, meta_crc
+INDEX_DTYPE = np.dtype([("offset", "<u8"), ("size", "<u4"), ("crc32", "<u4"), ("label", "<i4"),
+                        ("height", "<u2"), ("width", "<u2")])
+DATA_OFFSET = 4096
+
+
+class PackedFormatError(FastxferError):
+    """The file is not a complete fastxfer pack (wrong magic, truncated, bad index)."""
+
+
+class CorruptRecordError(PackedFormatError):
+    """A record's bytes do not match its checksum."""
+
+
+def _jpeg_header(data: bytes):
+    import simplejpeg
+
+    try:
+        h, w, colorspace, _ = simplejpeg.decode_jpeg_header(data)
+    except ValueError as e:
+        return None, str(e)
+    return (h, w, colorspace), None
+
+
+def scan_image_folder(src: str) -> tuple[list[tuple[str, int]], list[str]]:
+    """(path, label) pairs from SRC/<class>/<file>, classes in sorted order."""
+    classes = sorted(d for d in os.listdir(src) if os.path.isdir(os.path.join(src, d)))
+    if not classes:
+        raise FastxferError(f"{src} has no class sub-folders (expected SRC/<class>/<image files>)")
+    items = []
+    for label, c in enumerate(classes):
+        for f in sorted(os.listdir(os.path.join(src, c))):
+            p = os.path.join(src, c, f)
+            if os.path.isfile(p):
+                items.append((p, label))
+    return items, classes
+
+
+def read_list_file(path: str) -> tuple[list[tuple[str, int]], list[str]]:
+    """Lines 'path label' (label an integer or a class name); relative paths are relative to the file."""
+    base = os.path.dirname(os.path.abspath(path))
+    items, names = [], {}
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            parts = line.rsplit(None, 1)
+            if len(parts) != 2:
+                raise FastxferError(f"{path}:{lineno}: expected 'path label', got {line!r}")
+            p, lab = parts
+            if lab.lstrip("-").isdigit():
+                label = int(lab)
+            else:
+                label = names.setdefault(lab, len(names))
+            items.append((p if os.path.isabs(p) else os.path.join(base, p), label))
+    classes = [n for n, _ in sorted(names.items(), key=lambda kv: kv[1])] if names else []
+    return items, classes
+
+
+def pack(items: Iterable[tuple[str, int]], out: str, classes: list[str] | None = None, progress: bool = True,
+         source: str = "") -> dict:
+    """Write `items` ((path, label) pairs) into `out` atomically. Non-JPEG or unreadable files are
+    skipped and counted. Returns a summary dict."""
+    items = list(items)
+    tmp = f"{out}.partial-{os.getpid()}"
+    skipped: list[tuple[str, str]] = []
+    index = np.zeros(len(items), INDEX_DTYPE)
+    t0 = time.monotonic()
+    bar = None
+    if progress:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(items), unit="img", desc=f"packing {os.path.basename(out)}", file=sys.stderr)
+        except ImportError:
+            bar = None
+    n = 0
+    try:
+        with open(tmp, "wb") as f:
+            f.write(HEADER.pack(MAGIC, VERSION, 0, DATA_OFFSET, 0))
+            f.write(b"\0" * (DATA_OFFSET - HEADER.size))
+            offset = DATA_OFFSET
+            for path, label in items:
+                try:
+                    with open(path, "rb") as g:
+                        data = g.read()
+                except OSError as e:
+                    skipped.append((path, e.strerror or str(e)))
+                    data = None
+                if data is not None:
+                    hdr, why = _jpeg_header(data)
+                    if hdr is None:
+                        skipped.append((path, f"not a readable JPEG ({why})"))
+                    elif hdr[0] > 65535 or hdr[1] > 65535:
+                        skipped.append((path, f"too large ({hdr[1]}x{hdr[0]})"))
+                    else:
+                        f.write(data)
+                        index[n] = (offset, len(data), zlib.crc32(data), label, hdr[0], hdr[1])
+                        offset += len(data)
+                        n += 1
+                if bar is not None:
+                    bar.update(1)
+            index = index[:n]
+            index_offset = offset
+            raw = index.tobytes()
+            f.write(raw)
+            meta = json.dumps({"classes": classes or [], "source": source, "skipped": len(skipped),
+                               "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}).encode()
+            meta_offset = index_offset + len(raw)
+            f.write(meta)
+            f.write(FOOTER.pack(FOOTER_MAGIC, n, index_offset, meta_offset, len(meta), zlib.crc32(raw),
+                                zlib.crc32(meta)))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    return {"records": n, "skipped": skipped, "bytes": os.path.getsize(out), "seconds": time.monotonic() - t0,
+            "classes": len(classes or [])}
+
+
+class PackedDataset:
+    """Read-only, memory-mapped view of a pack. ``len(ds)``, ``ds.labels``, ``ds.heights``,
+    ``ds.widths``, ``ds.record(i)`` (a zero-copy memoryview of the encoded bytes, CRC-checked when
+    verify=True), ``ds.classes``."""
+
+    def __init__(self, path: str, verify: bool = True):
+        self.path = path
+        self.verify = verify
+        try:
+            self._file = open(path, "rb")
+        except OSError as e:
+            raise PackedFormatError(f"{path}: cannot open: {e.strerror}") from None
+        size = os.fstat(self._file.fileno()).st_size
+        if size < DATA_OFFSET + FOOTER.size:
+            self._file.close()
+            raise PackedFormatError(f"{path}: {size} bytes is too short for a fastxfer pack (truncated or not a pack)")
+        self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            self._open(size)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, size: int) -> None:
+        magic, version, _flags, data_offset, _ = HEADER.unpack_from(self._mm, 0)
+        if magic != MAGIC:
+            raise PackedFormatError(f"{self.path}: not a fastxfer pack (magic {magic!r})")
+        if version != VERSION:
+            raise PackedFormatError(f"{self.path}: format version {version}, this fastxfer reads {VERSION}")
+        fmagic, count, index_offset, meta_offset, meta_bytes, index_crc, meta_crc = FOOTER.unpack_from(
+            self._mm, size - FOOTER.size)
+        if fmagic != FOOTER_MAGIC:
+            raise PackedFormatError(f"{self.path}: incomplete or truncated (no end marker in the last "
+                                    f"{FOOTER.size} bytes): re-run `fastxfer data pack`")
+        if not (data_offset <= index_offset <= meta_offset and
+                meta_offset + meta_bytes + FOOTER.size == size and
+                index_offset + count * INDEX_DTYPE.itemsize == meta_offset):
+            raise PackedFormatError(f"{self.path}: inconsistent layout (index at {index_offset}, {count} records, "
+                                    f"metadata at {meta_offset}, file {size} bytes)")
+        raw = self._mm[index_offset:meta_offset]
+        if zlib.crc32(raw) != index_crc:
+            raise PackedFormatError(f"{self.path}: the index is corrupted (checksum mismatch)")
+        meta = self._mm[meta_offset:meta_offset + meta_bytes]
+        if zlib.crc32(meta) != meta_crc:
+            raise PackedFormatError(f"{self.path}: the metadata is corrupted (checksum mismatch)")
+        self.index = np.frombuffer(raw, INDEX_DTYPE).copy()
+        ends = self.index["offset"].astype(np.int64) + self.index["size"]
+        bad = np.flatnonzero((self.index["offset"] < data_offset) | (ends > index_offset))
+        if bad.size:
+            raise PackedFormatError(f"{self.path}: record {int(bad[0])} points outside the data region")
+        self.meta = json.loads(meta)
+        self.classes = list(self.meta.get("classes", []))
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    @property
+    def labels(self) -> np.ndarray:
+        return self.index["label"]
+
+    @property
+    def heights(self) -> np.ndarray:
+        return self.index["height"]
+
+    @property
+    def widths(self) -> np.ndarray:
+        return self.index["width"]
+
+    def record(self, i: int) -> memoryview:
+        if not 0 <= i < len(self.index):
+            raise IndexError(f"record {i} out of range 0..{len(self.index) - 1}")
+        rec = self.index[i]
+        off, n = int(rec["offset"]), int(rec["size"])
+        view = memoryview(self._mm)[off:off + n]
+        if self.verify and zlib.crc32(view) != int(rec["crc32"]):
+            raise CorruptRecordError(f"{self.path}: record {i} (label {int(rec['label'])}, {n} bytes at offset {off}) "
+                                     "is corrupted: checksum mismatch")
+        return view
+
+    def verify_all(self) -> list[int]:
+        """Indices of records whose checksum does not match."""
+        return [i for i in range(len(self.index))
+                if zlib.crc32(memoryview(self._mm)[int(self.index[i]["offset"]):int(self.index[i]["offset"])
+                                                    + int(self.index[i]["size"])]) != int(self.index[i]["crc32"])]
+
+    def close(self) -> None:
+        mm, self._mm = getattr(self, "_mm", None), None
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                pass  # views are still alive; the mapping goes when they do
+        f = getattr(self, "_file", None)
+        if f is not None:
+            f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,171 @@
+"""The packed dataset format and `fastxfer data pack/info`."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+simplejpeg = pytest.importorskip("simplejpeg")
+
+from _launch import fastxfer_cmd  # noqa: E402
+
+from fastxfer.data import CorruptRecordError, PackedDataset, PackedFormatError, pack, scan_image_folder  # noqa: E402
+
+
+def jpeg(h, w, seed, gray=False):
+    rng = np.random.default_rng(seed)
+    if gray:
+        img = rng.integers(0, 255, (h, w, 1), dtype=np.uint8)
+        return simplejpeg.encode_jpeg(img, quality=90, colorspace="GRAY")
+    img = rng.integers(0, 255, (h, w, 3), dtype=np.uint8)
+    return simplejpeg.encode_jpeg(img, quality=90)
+
+
+@pytest.fixture
+def folder(tmp_path):
+    src = tmp_path / "src"
+    sizes = {"cat": [(32, 48), (50, 20), (64, 64)], "dog": [(17, 33), (40, 40)], "emu": [(8, 8)]}
+    files = []
+    for c, dims in sizes.items():
+        (src / c).mkdir(parents=True)
+        for i, (h, w) in enumerate(dims):
+            data = jpeg(h, w, seed=len(files), gray=(c == "emu"))
+            (src / c / f"{i}.jpg").write_bytes(data)
+            files.append((c, h, w, data))
+    (src / "dog" / "notes.txt").write_text("not an image")
+    (src / "dog" / "empty.jpg").write_bytes(b"")
+    return src, files
+
+
+def run(*args, **kw):
+    return subprocess.run(fastxfer_cmd() + list(args), capture_output=True, text=True, timeout=300, **kw)
+
+
+def test_pack_and_read_back(folder, tmp_path):
+    src, files = folder
+    out = tmp_path / "train.fxpack"
+    r = run("data", "pack", str(src), str(out), "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert "packed 6 images of 3 classes" in r.stdout
+    assert "skipped 2 file(s)" in r.stderr and "notes.txt: not a readable JPEG" in r.stderr
+    with PackedDataset(str(out)) as ds:
+        assert len(ds) == 6 and ds.classes == ["cat", "dog", "emu"]
+        assert ds.labels.tolist() == [0, 0, 0, 1, 1, 2]
+        assert list(zip(ds.heights.tolist(), ds.widths.tolist())) == [(h, w) for _, h, w, _ in files]
+        for i, (_, _, _, data) in enumerate(files):
+            assert bytes(ds.record(i)) == data
+    info = json.loads(run("data", "info", str(out), "--json", "--verify").stdout)
+    assert info["records"] == 6 and info["records_per_label"] == {"0": 3, "1": 2, "2": 1}
+    assert info["corrupted_records"] == [] and info["height"] == [8, 64] and info["width"] == [8, 64]
+    text = run("data", "info", str(out)).stdout
+    assert "6 records" in text and "label 1 (dog): 2" in text
+
+
+def test_list_file_with_names_and_numbers(folder, tmp_path):
+    src, files = folder
+    lst = tmp_path / "list.txt"
+    lst.write_text(f"# comment\nsrc/cat/0.jpg tabby\n{src}/dog/1.jpg 7\nsrc/cat/1.jpg tabby\n")
+    out = tmp_path / "l.fxpack"
+    assert run("data", "pack", str(lst), str(out), "--no-progress").returncode == 0
+    with PackedDataset(str(out)) as ds:
+        assert ds.labels.tolist() == [0, 7, 0] and ds.classes == ["tabby"]
+    lst.write_text("just-a-path\n")
+    r = run("data", "pack", str(lst), str(out), "--no-progress")
+    assert r.returncode == 1 and "list.txt:1: expected 'path label'" in r.stderr
+
+
+def test_corrupted_record_is_named(folder, tmp_path):
+    src, _ = folder
+    out = tmp_path / "c.fxpack"
+    items, classes = scan_image_folder(str(src))
+    pack(items, str(out), classes, progress=False)
+    with PackedDataset(str(out), verify=False) as ds:
+        off = int(ds.index[3]["offset"]) + 50
+    with open(out, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with PackedDataset(str(out)) as ds:
+        assert bytes(ds.record(2))  # others still read
+        with pytest.raises(CorruptRecordError, match=r"record 3 \(label 1, \d+ bytes at offset \d+\) is corrupted"):
+            ds.record(3)
+        assert ds.verify_all() == [3]
+    r = run("data", "info", str(out), "--verify")
+    assert r.returncode == 1 and "1 corrupted record(s): [3]" in r.stdout
+
+
+def test_truncated_and_damaged_files_are_detected(folder, tmp_path):
+    src, _ = folder
+    out = tmp_path / "t.fxpack"
+    items, classes = scan_image_folder(str(src))
+    pack(items, str(out), classes, progress=False)
+    good = out.read_bytes()
+    out.write_bytes(good[:-10])
+    with pytest.raises(PackedFormatError, match="incomplete or truncated"):
+        PackedDataset(str(out))
+    out.write_bytes(good[:100])
+    with pytest.raises(PackedFormatError, match="too short"):
+        PackedDataset(str(out))
+    damaged = bytearray(good)
+    index_at = int.from_bytes(good[-64 + 16:-64 + 24], "little")
+    damaged[index_at] ^= 1
+    out.write_bytes(bytes(damaged))
+    with pytest.raises(PackedFormatError, match="index is corrupted"):
+        PackedDataset(str(out))
+    out.write_bytes(b"JUNK" * 2000)
+    with pytest.raises(PackedFormatError, match="not a fastxfer pack"):
+        PackedDataset(str(out))
+    r = run("data", "info", str(out))
+    assert r.returncode == 1 and "fastxfer data:" in r.stderr and "not a fastxfer pack" in r.stderr
+
+
+def test_failed_pack_leaves_nothing_that_looks_valid(folder, tmp_path, monkeypatch):
+    src, _ = folder
+    out = tmp_path / "a.fxpack"
+    items, classes = scan_image_folder(str(src))
+    pack(items, str(out), classes, progress=False)
+    before = out.read_bytes()
+    import fastxfer.data.packed as packed
+
+    calls = {"n": 0}
+    real = packed._jpeg_header
+
+    def failing(data):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(data)
+
+    monkeypatch.setattr(packed, "_jpeg_header", failing)
+    with pytest.raises(KeyboardInterrupt):
+        pack(items, str(out), classes, progress=False)
+    assert out.read_bytes() == before  # the old pack is untouched
+    assert [p.name for p in tmp_path.iterdir() if ".partial-" in p.name] == []
+
+
+def test_killed_pack_never_produces_the_output(folder, tmp_path):
+    src, _ = folder
+    fifo = tmp_path / "slow.jpg"
+    os.mkfifo(fifo)  # reading it blocks: the packer is stuck mid-way when we kill it
+    lst = tmp_path / "list.txt"
+    lst.write_text(f"{src}/cat/0.jpg 0\n{fifo} 1\n")
+    out = tmp_path / "k.fxpack"
+    p = subprocess.Popen(fastxfer_cmd() + ["data", "pack", str(lst), str(out), "--no-progress"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not any(".partial-" in n for n in os.listdir(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=60)
+    assert not out.exists()
+    partial = [n for n in os.listdir(tmp_path) if ".partial-" in n]
+    assert len(partial) == 1
+    with pytest.raises(PackedFormatError):
+        PackedDataset(str(tmp_path / partial[0]))
