@@ -1,0 +1,189 @@
+"""Numba kernels of the input pipeline: random-resized-crop sampling, crop + resize (bilinear,
+antialiased when shrinking) + flip + colour jitter + normalisation written straight into a
+batch slot, and the evaluation centre crop.
+
+Parameters are sampled with numpy (``sample_*``) from a per-image generator derived from
+(seed, epoch, rank, index), so a batch is reproducible; the per-image kernel only applies them.
+Kernels are ``njit(nogil=True, cache=True)``: loader threads run them in parallel, off the GIL.
+``FASTXFER_NO_JIT=1`` runs the same code as plain Python (for debugging); every kernel also has
+``.py_func`` and the tests compare the two.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+
+NO_JIT = os.environ.get("FASTXFER_NO_JIT", "") not in ("", "0")
+
+if NO_JIT:
+    def njit(*args, **kwargs):
+        def wrap(f):
+            f.py_func = f
+            return f
+        return wrap(args[0]) if args and callable(args[0]) else wrap
+else:
+    from numba import njit  # noqa: F401  (one place for the Numba options: below)
+
+_OPTS = dict(nogil=True, cache=True, fastmath=False, error_model="numpy")
+
+IMAGENET_MEAN = np.array([0.485, 0.456, 0.406], np.float32)
+IMAGENET_STD = np.array([0.229, 0.224, 0.225], np.float32)
+
+
+# ---- parameter sampling (numpy; deterministic per image) ---------------------------------------
+
+def image_rng(seed: int, epoch: int, rank: int, index: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence([seed, epoch, rank, index]))
+
+
+def sample_rrc(rng: np.random.Generator, height: int, width: int, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
+    """Random-resized-crop box (y, x, h, w), as torchvision samples it: area uniform in `scale`,
+    log-aspect-ratio uniform in `ratio`, 10 tries, then the centre crop closest to `ratio`."""
+    area = height * width
+    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+    for _ in range(10):
+        target = area * rng.uniform(scale[0], scale[1])
+        ar = math.exp(rng.uniform(log_lo, log_hi))
+        w = int(round(math.sqrt(target * ar)))
+        h = int(round(math.sqrt(target / ar)))
+        if 0 < w <= width and 0 < h <= height:
+            y = int(rng.integers(0, height - h + 1))
+            x = int(rng.integers(0, width - w + 1))
+            return y, x, h, w
+    in_ratio = width / height
+    if in_ratio < ratio[0]:
+        w, h = width, int(round(width / ratio[0]))
+    elif in_ratio > ratio[1]:
+        h, w = height, int(round(height * ratio[1]))
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+def center_crop_box(height: int, width: int, fraction: float = 0.875):
+    """Evaluation crop: the centred square of side fraction x the shorter side (224 of 256)."""
+    side = max(1, int(round(min(height, width) * fraction)))
+    return (height - side) // 2, (width - side) // 2, side, side
+
+
+# ---- resampling --------------------------------------------------------------------------------
+
+@njit(**_OPTS)
+def _weights(start, length, out_len):
+    """Separable bilinear (triangle) weights from input span [start, start+length) to out_len
+    samples; the filter widens with the shrink factor (antialiasing), as PIL's BILINEAR does."""
+    scale = length / out_len
+    fscale = max(scale, 1.0)
+    support = fscale  # triangle filter support 1, stretched when shrinking
+    kmax = int(math.ceil(support)) * 2 + 1
+    first = np.empty(out_len, np.int32)
+    count = np.empty(out_len, np.int32)
+    w = np.zeros((out_len, kmax), np.float32)
+    for o in range(out_len):
+        center = start + (o + 0.5) * scale
+        lo = max(int(center - support + 0.5), start)
+        hi = min(int(center + support + 0.5), start + length)
+        n = hi - lo
+        total = 0.0
+        for k in range(n):
+            t = (lo + k - center + 0.5) / fscale
+            v = 1.0 - abs(t)
+            if v < 0.0:
+                v = 0.0
+            w[o, k] = v
+            total += v
+        if total > 0.0:
+            for k in range(n):
+                w[o, k] /= total
+        first[o] = lo
+        count[o] = n
+    return first, count, w
+
+
+@njit(**_OPTS)
+def crop_resize_normalize(img, y0, x0, ch, cw, out, flip, brightness, contrast, saturation, mean, std):
+    """img: uint8 HxWxC (C = 1 or 3); out: float32 oh x ow x 3 (a batch slot). Crops
+    [y0, y0+ch) x [x0, x0+cw), resizes, flips horizontally if `flip`, applies brightness /
+    contrast / saturation factors (1 = unchanged; in 0..255 space, clamped), then writes
+    (v/255 - mean) / std. Grayscale input is replicated to 3 channels."""
+    oh, ow = out.shape[0], out.shape[1]
+    chans = img.shape[2]
+    fy, ny, wy = _weights(y0, ch, oh)
+    fx, nx, wx = _weights(x0, cw, ow)
+    # horizontal pass over the rows the vertical pass needs
+    tmp = np.zeros((ch, ow, 3), np.float32)
+    for r in range(ch):
+        y = y0 + r
+        for o in range(ow):
+            a0 = 0.0
+            a1 = 0.0
+            a2 = 0.0
+            for k in range(nx[o]):
+                wgt = wx[o, k]
+                px = fx[o] + k
+                if chans == 3:
+                    a0 += wgt * img[y, px, 0]
+                    a1 += wgt * img[y, px, 1]
+                    a2 += wgt * img[y, px, 2]
+                else:
+                    g = wgt * img[y, px, 0]
+                    a0 += g
+                    a1 += g
+                    a2 += g
+            tmp[r, o, 0] = a0
+            tmp[r, o, 1] = a1
+            tmp[r, o, 2] = a2
+    # vertical pass into the output, then the colour ops
+    gray_sum = 0.0
+    for o in range(oh):
+        for x in range(ow):
+            a0 = 0.0
+            a1 = 0.0
+            a2 = 0.0
+            for k in range(ny[o]):
+                wgt = wy[o, k]
+                r = fy[o] + k - y0
+                a0 += wgt * tmp[r, x, 0]
+                a1 += wgt * tmp[r, x, 1]
+                a2 += wgt * tmp[r, x, 2]
+            xo = ow - 1 - x if flip else x
+            out[o, xo, 0] = min(max(a0 * brightness, 0.0), 255.0)
+            out[o, xo, 1] = min(max(a1 * brightness, 0.0), 255.0)
+            out[o, xo, 2] = min(max(a2 * brightness, 0.0), 255.0)
+            gray_sum += 0.299 * out[o, xo, 0] + 0.587 * out[o, xo, 1] + 0.114 * out[o, xo, 2]
+    gray_mean = gray_sum / (oh * ow)
+    for o in range(oh):
+        for x in range(ow):
+            v0 = out[o, x, 0]
+            v1 = out[o, x, 1]
+            v2 = out[o, x, 2]
+            if contrast != 1.0:
+                v0 = min(max((v0 - gray_mean) * contrast + gray_mean, 0.0), 255.0)
+                v1 = min(max((v1 - gray_mean) * contrast + gray_mean, 0.0), 255.0)
+                v2 = min(max((v2 - gray_mean) * contrast + gray_mean, 0.0), 255.0)
+            if saturation != 1.0:
+                g = 0.299 * v0 + 0.587 * v1 + 0.114 * v2
+                v0 = min(max((v0 - g) * saturation + g, 0.0), 255.0)
+                v1 = min(max((v1 - g) * saturation + g, 0.0), 255.0)
+                v2 = min(max((v2 - g) * saturation + g, 0.0), 255.0)
+            out[o, x, 0] = (v0 / 255.0 - mean[0]) / std[0]
+            out[o, x, 1] = (v1 / 255.0 - mean[1]) / std[1]
+            out[o, x, 2] = (v2 / 255.0 - mean[2]) / std[2]
+
+
+def mixup(images: np.ndarray, labels: np.ndarray, num_classes: int, alpha: float, smoothing: float,
+          rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Mixup (Zhang et al.) of a batch with its reverse permutation, lambda ~ Beta(alpha, alpha),
+    on one-hot labels smoothed by `smoothing`. In place for the images; returns (images, targets)."""
+    n = len(labels)
+    onehot = np.full((n, num_classes), smoothing / num_classes, np.float32)
+    onehot[np.arange(n), labels] += 1.0 - smoothing
+    if alpha <= 0 or n < 2:
+        return images, onehot
+    lam = np.float32(rng.beta(alpha, alpha))
+    perm = np.arange(n)[::-1]
+    images[:] = lam * images + (1 - lam) * images[perm]
+    return images, lam * onehot + (1 - lam) * onehot[perm]
