@@ -1,8 +1,9 @@
-"""The input pipeline. Today: the packed dataset format (``fastxfer data pack`` / ``info``).
-The decode-and-crop kernels and the per-rank loader build on it."""
+"""The input pipeline: the packed dataset format (``fastxfer data pack`` / ``info``), Numba
+decode-and-crop kernels, and the per-rank ``Loader``."""
 
+from fastxfer.data.loader import Loader
 from fastxfer.data.packed import (CorruptRecordError, PackedDataset, PackedFormatError, pack, read_list_file,
                                   scan_image_folder)
 
-__all__ = ["CorruptRecordError", "PackedDataset", "PackedFormatError", "pack", "read_list_file",
+__all__ = ["CorruptRecordError", "Loader", "PackedDataset", "PackedFormatError", "pack", "read_list_file",
            "scan_image_folder"]

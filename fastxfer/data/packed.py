@@ -252,9 +252,12 @@ class PackedDataset:
                 mm.close()
             except BufferError:
                 pass  # views are still alive; the mapping goes when they do
-        f = getattr(self, "_file", None)
+        f, self._file = getattr(self, "_file", None), None
         if f is not None:
             f.close()
+
+    def __del__(self):
+        self.close()
 
     def __enter__(self):
         return self
