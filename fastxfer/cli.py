@@ -6,20 +6,18 @@ import argparse
 import sys
 
 
+BENCHMARKS = {
+    "compress": "float32 <-> bf16/fp16 and fused packing vs ml_dtypes, numpy, tf.cast, torch",
+    "allreduce": "nccl-tests-style allreduce sweep vs torch gloo, mpi4py, Horovod; alpha-beta model",
+    "pipeline": "input pipeline images/s vs tf.data, PIL and decode alone",
+    "placement": "2-worker training-like step: unbound vs pinned engine vs --bind numa",
+}
+
+
 def _bench(args: argparse.Namespace) -> int:
-    if args.bench == "compress":
-        from fastxfer.bench import compress
+    import importlib
 
-        return compress.main(args)
-    if args.bench == "placement":
-        from fastxfer.bench import placement
-
-        return placement.main(args)
-    if args.bench == "allreduce":
-        from fastxfer.bench import allreduce
-
-        return allreduce.main(args)
-    raise AssertionError(args.bench)  # argparse restricts the choices
+    return importlib.import_module(f"fastxfer.bench.{args.bench}").main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,21 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="side-by-side benchmarks against the installed peers")
     bsub = bench.add_subparsers(dest="bench", required=True)
-    from fastxfer.bench import compress
+    import importlib
 
-    compress.add_arguments(bsub.add_parser(
-        "compress", help="float32 <-> bf16/fp16 and fused packing vs ml_dtypes, numpy, tf.cast, torch",
-        description=compress.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
-    from fastxfer.bench import allreduce
-
-    allreduce.add_arguments(bsub.add_parser(
-        "allreduce", help="nccl-tests-style allreduce sweep vs torch gloo, mpi4py, Horovod; alpha-beta model",
-        description=allreduce.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
-    from fastxfer.bench import placement
-
-    placement.add_arguments(bsub.add_parser(
-        "placement", help="2-worker training-like step: unbound vs --bind numa vs engine pinned",
-        description=placement.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+    for name, help_text in BENCHMARKS.items():
+        mod = importlib.import_module(f"fastxfer.bench.{name}")
+        mod.add_arguments(bsub.add_parser(name, help=help_text, description=mod.__doc__,
+                                          formatter_class=argparse.RawDescriptionHelpFormatter))
     bench.set_defaults(func=_bench)
     return p
 

@@ -179,6 +179,8 @@ def allgather(array, name: str | None = None) -> np.ndarray:
     a = _array(array)
     if a.ndim == 0:
         raise ValueError("allgather needs at least one dimension (concatenates along axis 0); use a[None]")
+    if a.ndim > 8:
+        raise ValueError(f"allgather supports at most 8 dimensions, not {a.ndim}; reshape first")
     return _submit("allgather", name, a, None, shape=a.shape, dtype=a.dtype).wait()
 
 

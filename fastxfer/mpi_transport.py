@@ -83,13 +83,11 @@ class MPIInterHost:
         displs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int).tolist()
         self.world.Allgatherv([mine, self._MPI.BYTE], [out, (list(map(int, sizes)), displs), self._MPI.BYTE])
 
-    def oob_allreduce(self, src: np.ndarray, out: np.ndarray, dtype: str, op: str) -> None:
-        sig = (src.nbytes, dtype, op)
-        sigs = self.oob.allgather(sig)
-        if any(s != sig for s in sigs):
-            first = next(r for r, s in enumerate(sigs) if s != sigs[0])
-            raise MismatchError(f"oob_allreduce: rank 0 submitted {sigs[0][0]} bytes of {sigs[0][1]} op={sigs[0][2]} "
-                                f"but rank {first} submitted {sigs[first][0]} bytes of {sigs[first][1]} "
-                                f"op={sigs[first][2]}")
+    def oob_allreduce(self, src: np.ndarray, out: np.ndarray, dtype: str, op: str, what: str) -> None:
+        # `what` names the request (name, dtype, shape, op): every rank must send the same
+        whats = self.oob.allgather(what)
+        if any(w != whats[0] for w in whats):
+            first = next(r for r, w in enumerate(whats) if w != whats[0])
+            raise MismatchError(f"oob_allreduce: rank 0 submitted {whats[0]} but rank {first} submitted {whats[first]}")
         np.copyto(out, src)
         self._reduce(self.oob, out, dtype, op)

@@ -113,7 +113,8 @@ def _mpi_rendezvous(rank: int, size: int, source: str) -> Layout:
     if comm.Get_size() != size or comm.Get_rank() != rank:
         raise FastxferError(f"{source} says rank {rank} of {size} but MPI says rank {comm.Get_rank()} of "
                             f"{comm.Get_size()}")
-    hosts = comm.allgather(host_identity())
+    ids = comm.allgather((host_identity(), os.getpid()))
+    hosts = [h for h, _ in ids]
     order = list(dict.fromkeys(hosts))  # hosts in order of their lowest rank
     counts = [hosts.count(h) for h in order]
     if len(set(counts)) > 1:
@@ -121,13 +122,16 @@ def _mpi_rendezvous(rank: int, size: int, source: str) -> Layout:
                             "hierarchical allreduce needs the same number on every host")
     mine = [r for r, h in enumerate(hosts) if h == hosts[rank]]
     host_index = order.index(hosts[rank])
-    token = comm.bcast(f"{os.getpid()}-{secrets.token_hex(16)}" if rank == 0 else None, root=0)
+    token = comm.bcast(secrets.token_hex(16) if rank == 0 else None, root=0)
+    # The name starts with the pid of the host's first rank (the segment's creator, alive while the
+    # job runs), so `fastxfer run`'s sweep of dead launchers' segments can check it on this host.
+    creator_pid = ids[mine[0]][1]
     inter = None
     if len(order) > 1:
         from fastxfer.mpi_transport import MPIInterHost
 
         inter = MPIInterHost(comm, mine.index(rank), host_index)
-    return Layout(rank, size, mine.index(rank), len(mine), f"/fastxfer-{token}-h{host_index}", source,
+    return Layout(rank, size, mine.index(rank), len(mine), f"/fastxfer-{creator_pid}-{token}-h{host_index}", source,
                   len(order), inter)
 
 

@@ -162,6 +162,8 @@ def test_bad_arguments(single):
         fx.broadcast(np.ones(3), root=1)
     with pytest.raises(ValueError, match="at least one dimension"):
         fx.allgather(np.float32(1.0))
+    with pytest.raises(ValueError, match="at most 8 dimensions"):
+        fx.allgather(np.ones((1,) * 9))
     with pytest.raises(ValueError, match=r"out must be float32\[3\]"):
         fx.allreduce(np.ones(3, np.float32), out=np.empty(4, np.float32))
     with pytest.raises(ValueError, match="oob_allreduce is for small arrays"):

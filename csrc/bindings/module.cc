@@ -118,11 +118,12 @@ class PyInterHost : public InterHost {
     for (size_t b : bytes) total += b;
     impl_.attr("allgatherv")(view(const_cast<void*>(in), bytes[rank_]), view(out, total), bytes);
   }
-  void oob_allreduce(const void* in, void* out, size_t n, DType dtype, ReduceOp op) override {
+  void oob_allreduce(const void* in, void* out, size_t n, DType dtype, ReduceOp op,
+                     const std::string& what) override {
     py::gil_scoped_acquire gil;
     try {
       impl_.attr("oob_allreduce")(view(const_cast<void*>(in), n * dtype_size(dtype)),
-                                  view(out, n * dtype_size(dtype)), dtype_name(dtype), op_name(op));
+                                  view(out, n * dtype_size(dtype)), dtype_name(dtype), op_name(op), what);
     } catch (py::error_already_set& e) {
       // keep the engine's error model: a disagreement poisons the group on every rank
       if (e.matches(py::module_::import("fastxfer.errors").attr("MismatchError"))) throw Mismatch(e.what());

@@ -2,6 +2,7 @@
 // call at a time owns the pool (try_lock), which keeps the hand-off to a generation counter.
 #include "common/parallel.h"
 
+#include <pthread.h>
 #include <sched.h>
 
 #include <algorithm>
@@ -36,8 +37,14 @@ class ThreadPool {
   static ThreadPool& instance() {
     // Leaked on purpose: joining threads from a static destructor at interpreter exit can
     // deadlock, and the OS reclaims them anyway.
-    static ThreadPool* pool = new ThreadPool();
-    return *pool;
+    static std::once_flag once;
+    std::call_once(once, [] {
+      current() = new ThreadPool();
+      // A forked child has none of the parent's workers (and maybe a mutex held by one of them):
+      // it starts a fresh pool, leaking the copied one.
+      pthread_atfork(nullptr, nullptr, [] { current() = new ThreadPool(); });
+    });
+    return *current();
   }
 
   std::mutex& owner() { return owner_; }
@@ -69,6 +76,11 @@ class ThreadPool {
   }
 
  private:
+  static ThreadPool*& current() {
+    static ThreadPool* pool = nullptr;
+    return pool;
+  }
+
   void ensure_workers(int n) {
     while (static_cast<int>(workers_.size()) < n) {
       int index = static_cast<int>(workers_.size()) + 1;  // task index this worker runs

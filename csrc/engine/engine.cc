@@ -83,9 +83,15 @@ uint64_t Engine::submit(Request req) {
 
 void Engine::wait(uint64_t id) {
   std::unique_lock<std::mutex> lk(mu_);
+  auto unknown = [&] { return std::invalid_argument("unknown or already released handle " + std::to_string(id)); };
+  if (status_.find(id) == status_.end()) throw unknown();
+  // Look the entry up afresh after each wake-up: another thread may have released it.
+  done_cv_.wait(lk, [&] {
+    auto it = status_.find(id);
+    return it == status_.end() || it->second.finished;
+  });
   auto it = status_.find(id);
-  if (it == status_.end()) throw std::invalid_argument("unknown or already released handle " + std::to_string(id));
-  done_cv_.wait(lk, [&] { return it->second.finished; });
+  if (it == status_.end()) throw unknown();
   if (it->second.error != ErrorKind::kNone) throw_error(it->second.error, it->second.message);
 }
 
@@ -154,8 +160,9 @@ void Engine::loop() {
       std::vector<Record> recs;
       {
         std::unique_lock<std::mutex> lk(mu_);
-        work_cv_.wait(lk, [&] { return !queue_.empty() || stop_; });
+        work_cv_.wait(lk, [&] { return !queue_.empty() || stop_ || fatal_ != ErrorKind::kNone; });
         if (stop_) break;
+        if (fatal_ != ErrorKind::kNone) throw EngineError(fatal_msg_);
         size_t m = std::min(queue_.size(), static_cast<size_t>(cfg_.max_records));
         for (size_t i = 0; i < m; ++i) recs.push_back(queue_[i]->rec);
       }
@@ -215,11 +222,14 @@ void Engine::run_batch(const std::vector<Request*>& batch, const std::vector<std
                  a->compression == r->compression && a->prescale == r->prescale && a->postscale == r->postscale;
         };
         while (e < batch.size() && same(batch[e])) ++e;
+        // `r` is finished with the first bucket (and may be released): keep what the run needs.
+        const ReduceOp op = r->op;
+        const double prescale = r->prescale, postscale = r->postscale;
         std::vector<TensorSpec> specs;
         for (size_t k = i; k < e; ++k) specs.push_back({batch[k]->numel, batch[k]->dtype});
         BucketPlanner planner(cfg_.bucket_cap_bytes, cfg_.bucket_cap_bytes, r->compression);
         for (const Bucket& b : planner.plan(specs)) {
-          AllreduceJob job{&b, {}, {}, r->op, r->prescale, r->postscale};
+          AllreduceJob job{&b, {}, {}, op, prescale, postscale};
           for (int t : b.tensors) {
             job.srcs.push_back(batch[i + t]->in);
             job.outs.push_back(batch[i + t]->out);
@@ -264,15 +274,29 @@ void Engine::oob_allreduce(const Record& rec, const void* in, void* out, size_t 
     if (fatal_ != ErrorKind::kNone) throw_error(fatal_, fatal_msg_);
     if (stopped_ || shutdown_requested_) throw EngineError("fastxfer has been shut down; call init() again first");
   }
+  // On failure, poison the group but leave the requests the engine thread is running to it:
+  // failing them from here would let their waiters release buffers the thread still uses. The
+  // abort makes the engine thread's next wait throw, and its own handler fails everything with
+  // the error recorded here.
+  auto poison = [&](ErrorKind kind, const char* what) {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (fatal_ == ErrorKind::kNone) {
+        fatal_ = kind;
+        fatal_msg_ = what;
+      }
+    }
+    transport_->mark_exited(false, what);
+    transport_->abort();
+    work_cv_.notify_all();
+  };
   try {
     transport_->oob_allreduce(rec, in, out, n, dtype, op, postscale);
   } catch (const PeerFailure& e) {
-    fail_all(ErrorKind::kPeerFailure, e.what());
-    transport_->mark_exited(false, e.what());
+    poison(ErrorKind::kPeerFailure, e.what());
     throw;
   } catch (const Mismatch& e) {
-    fail_all(ErrorKind::kMismatch, e.what());
-    transport_->mark_exited(false, e.what());
+    poison(ErrorKind::kMismatch, e.what());
     throw;
   }
 }

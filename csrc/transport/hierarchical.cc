@@ -112,9 +112,9 @@ void HierarchicalTransport::allgather(const void* in, void* out, const std::vect
   inter_->allgatherv(in, out, bytes);
 }
 
-void HierarchicalTransport::oob_allreduce(const Record&, const void* in, void* out, size_t n, DType dtype,
+void HierarchicalTransport::oob_allreduce(const Record& rec, const void* in, void* out, size_t n, DType dtype,
                                           ReduceOp op, double postscale) {
-  inter_->oob_allreduce(in, out, n, dtype, op);
+  inter_->oob_allreduce(in, out, n, dtype, op, describe(rec));
   if (postscale != 1.0) {
     const void* src = out;
     reduce_block(op, dtype, &src, 1, out, n, postscale);

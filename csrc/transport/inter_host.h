@@ -4,6 +4,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "common/dtype.h"
@@ -25,8 +26,10 @@ class InterHost {
   virtual std::vector<std::vector<char>> allgather_bytes(const std::vector<char>& mine) = 0;
   virtual void broadcast(void* buf, size_t nbytes, int root) = 0;
   virtual void allgatherv(const void* in, void* out, const std::vector<size_t>& bytes) = 0;
-  // On a separate communicator, from the calling (not the engine) thread:
-  virtual void oob_allreduce(const void* in, void* out, size_t n, DType dtype, ReduceOp op) = 0;
+  // On a separate communicator, from the calling (not the engine) thread. `what` describes the
+  // request (name, dtype, shape, op): ranks whose descriptions differ raise MismatchError.
+  virtual void oob_allreduce(const void* in, void* out, size_t n, DType dtype, ReduceOp op,
+                             const std::string& what) = 0;
 };
 
 }  // namespace fastxfer

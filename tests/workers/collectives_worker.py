@@ -109,6 +109,14 @@ def collectives():
     hs = [fx.allreduce_async(np.full(37 + i, i + r, np.float32), op="sum", name=f"g{i}") for i in range(200)]
     for i, h in enumerate(hs):
         assert np.all(h.wait() == sum(i + j for j in range(n_ranks)))
+    # several buckets in one fused run, each waited for (and released) as soon as it is done,
+    # with new requests submitted in between: later buckets must still use the run's own op/scale
+    hs = [fx.allreduce_async(np.full(400_000, 2.0 * (r + 1), np.float32), op="average", name=f"multi{i}")
+          for i in range(3)]
+    for i, h in enumerate(hs):
+        got = h.wait()
+        assert np.all(got == (n_ranks + 1)), (i, got[:3])
+        fx.allreduce_async(np.ones(5, np.int64), op="max", name=f"between{i}").wait()
     # in place
     x = np.full(1000, r + 1.0, np.float32)
     y = fx.allreduce(x, op="sum", out=x)

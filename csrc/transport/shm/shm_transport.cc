@@ -80,8 +80,11 @@ ShmTransport::ShmTransport(const ShmConfig& cfg) : cfg_(cfg) {
   if (cfg_.size < 1 || cfg_.rank < 0 || cfg_.rank >= cfg_.size)
     throw std::invalid_argument("bad rank " + std::to_string(cfg_.rank) + " of " + std::to_string(cfg_.size));
   cfg_.window_bytes = round_up(std::max<size_t>(cfg_.window_bytes, 2 * kPage), 2 * kPage);
-  if (cfg_.window_bytes / 2 < static_cast<size_t>(cfg_.size) * 64)
-    throw std::invalid_argument("shared-memory window too small for " + std::to_string(cfg_.size) + " ranks");
+  // A chunk must hold one 64-byte-aligned shard per rank for every dtype pair (float32 values on a
+  // 16-bit wire are the tightest: 32 elements of 4 bytes per rank).
+  if (cfg_.window_bytes / 2 < static_cast<size_t>(cfg_.size) * 128)
+    throw std::invalid_argument("shared-memory window too small for " + std::to_string(cfg_.size) +
+                                " ranks: at least " + std::to_string(cfg_.size * 256) + " bytes");
   cfg_.oob_bytes = round_up(std::max<size_t>(cfg_.oob_bytes, kPage), kPage);
   if (cfg_.max_records < 1) cfg_.max_records = 1;
 
@@ -139,6 +142,20 @@ ShmTransport::ShmTransport(const ShmConfig& cfg) : cfg_(cfg) {
     close(fd_);
     throw EngineError("cannot map shared memory: " + errno_str(e));
   }
+  try {
+    attach(creator, deadline);
+  } catch (...) {
+    // Leave nothing behind: the peers see the segment vanish (creator) or this rank never attach.
+    if (creator) shm_unlink(cfg_.name.c_str());
+    munmap(base_, total_);
+    base_ = nullptr;
+    close(fd_);
+    fd_ = -1;
+    throw;
+  }
+}
+
+void ShmTransport::attach(bool creator, double deadline) {
   auto* h = static_cast<Header*>(base_);
   if (creator) {
     h->size = cfg_.size;
@@ -193,10 +210,8 @@ void ShmTransport::mark_exited(bool clean, const char* why) {
   me.state.store(clean ? 2 : 3, std::memory_order_release);
   // wake anyone sleeping on my counters so they notice now, not at their next tick
   for (shm::Counter Control::*c : {&Control::ready, &Control::reduced, &Control::consumed, &Control::round,
-                                   &Control::oob_ready, &Control::oob_consumed}) {
-    shm::Counter& k = me.*c;
-    shm::publish(k, k.value.load());
-  }
+                                   &Control::oob_ready, &Control::oob_consumed})
+    shm::wake(me.*c);  // only wake: storing here could move a counter back under the engine thread
 }
 
 void ShmTransport::check_peers(int waiting_for, const char* phase, double waited_s) {
@@ -254,11 +269,12 @@ std::vector<std::vector<Record>> ShmTransport::exchange_records(const std::vecto
   if (mine.size() > static_cast<size_t>(cfg_.max_records))
     throw std::invalid_argument("too many records for one round");
   double t0 = now_s();
-  int buf = round_ & 1;
+  int buf = static_cast<int>(round_ & 1);
   std::memcpy(records(cfg_.rank, buf), mine.data(), mine.size() * sizeof(Record));
   *record_count(cfg_.rank, buf) = static_cast<uint32_t>(mine.size());
-  shm::publish(ctl(cfg_.rank).round, round_ + 1);
-  wait_all(&Control::round, round_ + 1, "negotiation");
+  const uint32_t next_round = static_cast<uint32_t>(round_ + 1);
+  shm::publish(ctl(cfg_.rank).round, next_round);
+  wait_all(&Control::round, next_round, "negotiation");
   std::vector<std::vector<Record>> all(cfg_.size);
   for (int j = 0; j < cfg_.size; ++j) {
     uint32_t n = std::min<uint32_t>(*record_count(j, buf), cfg_.max_records);
@@ -297,10 +313,11 @@ void ShmTransport::allreduce_staged(const AllreduceJob& job, const ShardHook& be
     const size_t shard = (m + n_ranks * align - 1) / (n_ranks * align) * align;
     auto shard_lo = [&](int j) { return std::min(m, shard * j); };
     auto shard_hi = [&](int j) { return std::min(m, shard * (j + 1)); };
-    const uint32_t g = chunk_;
-    const int half = g & 1;
+    const uint64_t seq = chunk_;
+    const uint32_t g = static_cast<uint32_t>(seq);
+    const int half = static_cast<int>(seq & 1);
     // 1. This half was last used two chunks ago: wait until every rank has finished reading it.
-    if (g >= 2) wait_all(&Control::consumed, g - 1, "allreduce (window reuse)");
+    if (seq >= 2) wait_all(&Control::consumed, g - 1, "allreduce (window reuse)");
     // 2. Pack (compress, pre-scale) the bucket straight into my window half. With `direct`, my
     //    own shard is skipped: only I read it, so step 3 takes it from my tensors instead.
     double t0 = now_s();
@@ -367,9 +384,10 @@ void ShmTransport::broadcast(const void* in, void* out, size_t nbytes, int root)
   const size_t half_bytes = cfg_.window_bytes / 2;
   for (size_t off = 0; off < nbytes; off += half_bytes) {
     const size_t len = std::min(half_bytes, nbytes - off);
-    const uint32_t g = chunk_;
-    const int half = g & 1;
-    if (g >= 2) wait_all(&Control::consumed, g - 1, "broadcast (window reuse)");
+    const uint64_t seq = chunk_;
+    const uint32_t g = static_cast<uint32_t>(seq);
+    const int half = static_cast<int>(seq & 1);
+    if (seq >= 2) wait_all(&Control::consumed, g - 1, "broadcast (window reuse)");
     if (cfg_.rank == root) {
       std::memcpy(window(root, half), static_cast<const char*>(in) + off, len);
       if (out != in) std::memcpy(static_cast<char*>(out) + off, static_cast<const char*>(in) + off, len);
@@ -394,9 +412,10 @@ void ShmTransport::allgather(const void* in, void* out, const std::vector<size_t
   }
   const int me = cfg_.rank;
   for (size_t off = 0; off < most; off += half_bytes) {
-    const uint32_t g = chunk_;
-    const int half = g & 1;
-    if (g >= 2) wait_all(&Control::consumed, g - 1, "allgather (window reuse)");
+    const uint64_t seq = chunk_;
+    const uint32_t g = static_cast<uint32_t>(seq);
+    const int half = static_cast<int>(seq & 1);
+    if (seq >= 2) wait_all(&Control::consumed, g - 1, "allgather (window reuse)");
     auto piece = [&](int j) { return off < bytes[j] ? std::min(half_bytes, bytes[j] - off) : size_t(0); };
     if (piece(me)) {
       std::memcpy(window(me, half), static_cast<const char*>(in) + off, piece(me));
@@ -419,10 +438,10 @@ void ShmTransport::oob_allreduce(const Record& rec, const void* in, void* out, s
   if (nbytes > oob_capacity())
     throw std::invalid_argument("oob_allreduce takes at most " + std::to_string(oob_capacity()) +
                                 " bytes; use allreduce for larger tensors");
-  const uint32_t s = oob_seq_;
+  const uint32_t s = static_cast<uint32_t>(oob_seq_);
   const int me = cfg_.rank;
   // my single slot is free once every rank has finished the previous out-of-band reduction
-  if (s >= 1) wait_all(&Control::oob_consumed, s, "oob_allreduce (slot reuse)");
+  if (oob_seq_ >= 1) wait_all(&Control::oob_consumed, s, "oob_allreduce (slot reuse)");
   std::memcpy(oob(me), &rec, sizeof(Record));
   std::memcpy(oob(me) + sizeof(Record), in, nbytes);
   shm::publish(ctl(me).oob_ready, s + 1);

@@ -54,6 +54,7 @@ class ShmTransport : public Transport {
   struct Header;
   struct Control;
 
+  void attach(bool creator, double deadline);  // the constructor's part after mmap
   Control& ctl(int j) const;
   char* window(int j, int half) const;
   char* oob(int j) const;
@@ -70,9 +71,11 @@ class ShmTransport : public Transport {
   void* base_ = nullptr;
   size_t total_ = 0;
   size_t stride_ = 0, ctl_off_ = 0, rec_off_ = 0, oob_off_ = 0, win_off_ = 0, header_bytes_ = 0;
-  uint32_t chunk_ = 0;   // data chunks done (same sequence on every rank)
-  uint32_t round_ = 0;   // negotiation rounds done
-  uint32_t oob_seq_ = 0; // out-of-band reductions done
+  // Sequence numbers, the same on every rank. 64-bit here so "is this the first use" tests never
+  // wrap; the shared counters carry the low 32 bits (compared with serial arithmetic).
+  uint64_t chunk_ = 0;    // data chunks done
+  uint64_t round_ = 0;    // negotiation rounds done
+  uint64_t oob_seq_ = 0;  // out-of-band reductions done
   std::atomic<bool> aborted_{false};
   TransportStats stats_;
 };

@@ -23,6 +23,10 @@ void publish(Counter& c, uint32_t v) {
     syscall(SYS_futex, reinterpret_cast<uint32_t*>(&c.value), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
+void wake(Counter& c) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&c.value), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
 void sleep_on(Counter& c, uint32_t seen, int timeout_ms) {
   c.sleepers.fetch_add(1, std::memory_order_seq_cst);
   if (c.value.load(std::memory_order_seq_cst) == seen) {

@@ -22,6 +22,9 @@ inline bool reached(uint32_t value, uint32_t target) { return static_cast<int32_
 // Stores `v` and wakes any process sleeping on the counter.
 void publish(Counter& c, uint32_t v);
 
+// Wakes every process sleeping on the counter without changing it.
+void wake(Counter& c);
+
 // Sleeps until the counter changes from `seen` or `timeout_ms` passes (spurious wake-ups allowed).
 void sleep_on(Counter& c, uint32_t seen, int timeout_ms);
 
