@@ -104,56 +104,84 @@ def _weights(start, length, out_len):
 
 
 @njit(**_OPTS)
-def crop_resize_normalize(img, y0, x0, ch, cw, out, flip, brightness, contrast, saturation, mean, std):
-    """img: uint8 HxWxC (C = 1 or 3); out: float32 oh x ow x 3 (a batch slot). Crops
+def crop_resize_normalize_scratch(img, y0, x0, ch, cw, out, flip, brightness, contrast, saturation, mean, std,
+                                  scratch):
+    """img: uint8 HxWxC (C = 1 or 3); out: float32 oh x ow x 3 (a batch slot); scratch: float32,
+    at least ch * ow * 3 elements (reused across calls: no allocation per image). Crops
     [y0, y0+ch) x [x0, x0+cw), resizes, flips horizontally if `flip`, applies brightness /
     contrast / saturation factors (1 = unchanged; in 0..255 space, clamped), then writes
-    (v/255 - mean) / std. Grayscale input is replicated to 3 channels."""
+    (v/255 - mean) / std. Grayscale input is replicated to 3 channels.
+
+    Loop order is chosen so the innermost loops run over output columns (horizontal pass: a
+    gather per tap) or over whole contiguous rows (vertical pass), which LLVM vectorises."""
     oh, ow = out.shape[0], out.shape[1]
     chans = img.shape[2]
     fy, ny, wy = _weights(y0, ch, oh)
     fx, nx, wx = _weights(x0, cw, ow)
+    kx = wx.shape[1]
+    # tap-major weights and clamped source columns (padding taps have weight 0)
+    wxt = np.zeros((kx, ow), np.float32)
+    src = np.empty((kx, ow), np.int64)
+    for o in range(ow):
+        for k in range(kx):
+            if k < nx[o]:
+                wxt[k, o] = wx[o, k]
+                src[k, o] = (fx[o] + k) * chans
+            else:
+                src[k, o] = fx[o] * chans
+    row_len = ow * 3
+    tmp = scratch[:ch * row_len].reshape((ch, row_len))
+    # separate small buffers (not views of scratch), so the compiler sees no aliasing
+    acc = np.empty(ow, np.float32)
+    line = np.empty(row_len, np.float32)
+    rowf = np.empty(img.shape[1] * chans, np.float32)
+    flat = img.reshape((img.shape[0], img.shape[1] * chans))
     # horizontal pass over the rows the vertical pass needs
-    tmp = np.zeros((ch, ow, 3), np.float32)
     for r in range(ch):
-        y = y0 + r
-        for o in range(ow):
-            a0 = 0.0
-            a1 = 0.0
-            a2 = 0.0
-            for k in range(nx[o]):
-                wgt = wx[o, k]
-                px = fx[o] + k
-                if chans == 3:
-                    a0 += wgt * img[y, px, 0]
-                    a1 += wgt * img[y, px, 1]
-                    a2 += wgt * img[y, px, 2]
-                else:
-                    g = wgt * img[y, px, 0]
-                    a0 += g
-                    a1 += g
-                    a2 += g
-            tmp[r, o, 0] = a0
-            tmp[r, o, 1] = a1
-            tmp[r, o, 2] = a2
-    # vertical pass into the output, then the colour ops
+        rowpix = flat[y0 + r]
+        for j in range(rowf.size):
+            rowf[j] = rowpix[j]
+        t = tmp[r]
+        for c in range(3):
+            cc = c if chans == 3 else 0
+            for o in range(ow):
+                acc[o] = 0.0
+            for k in range(kx):
+                wk = wxt[k]
+                sk = src[k]
+                for o in range(ow):
+                    acc[o] += wk[o] * rowf[sk[o] + cc]
+            for o in range(ow):
+                t[o * 3 + c] = acc[o]
+    # vertical pass, a whole output row at a time
+    simple = contrast == 1.0 and saturation == 1.0
+    sc = np.empty(3, np.float32)
+    off = np.empty(3, np.float32)
+    for c in range(3):
+        sc[c] = 1.0 / (255.0 * std[c])
+        off[c] = mean[c] / std[c]
     gray_sum = 0.0
     for o in range(oh):
+        for j in range(row_len):
+            line[j] = 0.0
+        base = fy[o] - y0
+        for k in range(ny[o]):
+            w = wy[o, k]
+            src_row = tmp[base + k]
+            for j in range(row_len):
+                line[j] += w * src_row[j]
         for x in range(ow):
-            a0 = 0.0
-            a1 = 0.0
-            a2 = 0.0
-            for k in range(ny[o]):
-                wgt = wy[o, k]
-                r = fy[o] + k - y0
-                a0 += wgt * tmp[r, x, 0]
-                a1 += wgt * tmp[r, x, 1]
-                a2 += wgt * tmp[r, x, 2]
             xo = ow - 1 - x if flip else x
-            out[o, xo, 0] = min(max(a0 * brightness, 0.0), 255.0)
-            out[o, xo, 1] = min(max(a1 * brightness, 0.0), 255.0)
-            out[o, xo, 2] = min(max(a2 * brightness, 0.0), 255.0)
-            gray_sum += 0.299 * out[o, xo, 0] + 0.587 * out[o, xo, 1] + 0.114 * out[o, xo, 2]
+            for c in range(3):
+                v = min(max(line[x * 3 + c] * brightness, 0.0), 255.0)
+                if simple:
+                    out[o, xo, c] = v * sc[c] - off[c]
+                else:
+                    out[o, xo, c] = v
+            if not simple:
+                gray_sum += 0.299 * out[o, xo, 0] + 0.587 * out[o, xo, 1] + 0.114 * out[o, xo, 2]
+    if simple:
+        return
     gray_mean = gray_sum / (oh * ow)
     for o in range(oh):
         for x in range(ow):
@@ -169,9 +197,26 @@ def crop_resize_normalize(img, y0, x0, ch, cw, out, flip, brightness, contrast, 
                 v0 = min(max((v0 - g) * saturation + g, 0.0), 255.0)
                 v1 = min(max((v1 - g) * saturation + g, 0.0), 255.0)
                 v2 = min(max((v2 - g) * saturation + g, 0.0), 255.0)
-            out[o, x, 0] = (v0 / 255.0 - mean[0]) / std[0]
-            out[o, x, 1] = (v1 / 255.0 - mean[1]) / std[1]
-            out[o, x, 2] = (v2 / 255.0 - mean[2]) / std[2]
+            out[o, x, 0] = v0 * sc[0] - off[0]
+            out[o, x, 1] = v1 * sc[1] - off[1]
+            out[o, x, 2] = v2 * sc[2] - off[2]
+
+
+def scratch_size(ch: int, ow: int) -> int:
+    return ch * ow * 3
+
+
+def crop_resize_normalize(img, y0, x0, ch, cw, out, flip, brightness, contrast, saturation, mean, std, scratch=None):
+    """crop_resize_normalize_scratch with a scratch buffer allocated here when none is given."""
+    if scratch is None or scratch.size < scratch_size(ch, out.shape[1]):
+        scratch = np.empty(scratch_size(ch, out.shape[1]), np.float32)
+    crop_resize_normalize_scratch(img, y0, x0, ch, cw, out, flip, brightness, contrast, saturation, mean, std,
+                                  scratch)
+
+
+crop_resize_normalize.py_func = lambda img, y0, x0, ch, cw, out, flip, b, c, s, mean, std, scratch=None: \
+    crop_resize_normalize_scratch.py_func(img, y0, x0, ch, cw, out, flip, b, c, s, mean, std,
+                                          np.empty(scratch_size(ch, out.shape[1]), np.float32))
 
 
 def mixup(images: np.ndarray, labels: np.ndarray, num_classes: int, alpha: float, smoothing: float,

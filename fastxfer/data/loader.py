@@ -107,6 +107,7 @@ class Loader:
         self.epoch = 0
         self.skipped = 0
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="fastxfer-loader")
+        self._scratch = threading.local()  # per-thread resize buffer, reused across images
 
     # -- which records, in which order ------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -150,7 +151,11 @@ class Loader:
         except Exception as e:  # noqa: BLE001 - any decode failure means: this record is bad
             self._last_error = f"record {int(i)}: {e}"
             return False
-        K.crop_resize_normalize(img, *box2, slot, flip, b, c, sat, self.mean, self.std)
+        scratch = getattr(self._scratch, "buf", None)
+        need = K.scratch_size(box2[2], s)
+        if scratch is None or scratch.size < need:
+            scratch = self._scratch.buf = np.empty(max(need, K.scratch_size(1024, s)), np.float32)
+        K.crop_resize_normalize_scratch(img, *box2, slot, flip, b, c, sat, self.mean, self.std, scratch)
         return True
 
     def batch(self, b: int) -> tuple[np.ndarray, np.ndarray]:
