@@ -5,6 +5,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 
 def _fastxfer():
     exe = shutil.which("fastxfer")
@@ -50,3 +52,15 @@ def test_bench_placement_runs_all_configurations(tmp_path):
     assert rows[0]["speedup"] == 1.0 and all(row["step_ms"] > 0 for row in rows)
     # bound workers really ran on one CPU each (the plan splits this machine's cores)
     assert len(rows[2]["rank0_cpus"]) < len(rows[0]["rank0_cpus"]) or len(rows[0]["rank0_cpus"]) == 1
+
+
+def test_bench_pipeline_smoke(tmp_path):
+    pytest.importorskip("skimage")  # the JPEG sets are cut from scikit-image's photographs
+    out = tmp_path / "pipe.json"
+    r = subprocess.run(_fastxfer() + ["bench", "pipeline", "--images", "8", "--reps", "1", "--batch", "4", "--no-tf",
+                                      "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert {row["set"] for row in rows} == {"500x375", "1000x750"}
+    assert all(row["images_s"] > 0 for row in rows)
+    assert any(row["pipeline"] == "fastxfer Loader" and row["mode"] == "train" for row in rows)

@@ -141,7 +141,7 @@ def _tf_rate(files: list[str], reps: int, train: bool, tmp: str):
     return None
 
 
-def run(n: int, reps: int, batch: int) -> dict:
+def run(n: int, reps: int, batch: int, tf_peer: bool = True) -> dict:
     import simplejpeg
 
     from fastxfer.data import Loader, pack
@@ -178,7 +178,7 @@ def run(n: int, reps: int, batch: int) -> dict:
                             pass
                     add("fastxfer Loader", mode, t, _timed(go, len(ld) * batch, reps))
                     ld.close()
-                tf_res = _tf_rate(files, reps, train, tmp)
+                tf_res = _tf_rate(files, reps, train, tmp) if tf_peer else None
                 if tf_res:
                     add("tf.data (decode_and_crop, resize, flip, normalise)", mode, 1, tf_res["rate"], tf_res["version"])
                 try:
@@ -216,12 +216,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--images", type=int, default=256, help="images per set (default 256)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--no-tf", action="store_true", help="skip the tf.data peer")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--markdown", action="store_true")
 
 
 def main(args: argparse.Namespace) -> int:
-    res = run(args.images, args.reps, args.batch)
+    res = run(args.images, args.reps, args.batch, tf_peer=not args.no_tf)
     cols = ["set", "pipeline", "mode", "threads", "images/s", "images/s per core"]
     rows = [[r["set"], r["pipeline"], r["mode"], str(r["threads"]), f"{r['images_s']:.0f}", f"{r['per_core']:.0f}"]
             for r in res["rows"]]
