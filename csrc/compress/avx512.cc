@@ -3,12 +3,5 @@
 #include "compress/avx512_impl.h"
 
 namespace fastxfer {
-const CompressKernels kAvx512Kernels = {
-    "avx512",
-    {compress<Bf16>, decompress<Bf16>, accumulate<Bf16>, sum_compress<Bf16>, sum2_direct<Bf16>},
-    {compress<Fp16>, decompress<Fp16>, accumulate<Fp16>, sum_compress<Fp16>, sum2_direct<Fp16>},
-    scale_f32,
-    accumulate_f32,
-    sum2_f32,
-};
+FASTXFER_DEFINE_KERNELS(kAvx512Kernels, "avx512");
 }  // namespace fastxfer

@@ -52,6 +52,18 @@ class ScopedStreamStores {
 // Shorter runs are not worth the peeling and the fence.
 constexpr size_t kStreamMinElements = 1024;
 
+// Each SIMD translation unit defines the same templates (compress<C>, decompress<C>, ...) and
+// builds its table with this macro.
+#define FASTXFER_DEFINE_KERNELS(var, label)                                                        \
+  const CompressKernels var = {                                                                   \
+      label,                                                                                      \
+      {compress<Bf16>, decompress<Bf16>, accumulate<Bf16>, sum_compress<Bf16>, sum2_direct<Bf16>}, \
+      {compress<Fp16>, decompress<Fp16>, accumulate<Fp16>, sum_compress<Fp16>, sum2_direct<Fp16>}, \
+      scale_f32,                                                                                  \
+      accumulate_f32,                                                                             \
+      sum2_f32,                                                                                   \
+  }
+
 extern const CompressKernels kScalarKernels;
 #if defined(FASTXFER_X86)
 extern const CompressKernels kAvx2Kernels;        // AVX2 + F16C

@@ -9,13 +9,6 @@ namespace {
 using namespace scalar_loops;
 }  // namespace
 
-const CompressKernels kScalarKernels = {
-    "scalar",
-    {compress<Bf16>, decompress<Bf16>, accumulate<Bf16>, sum_compress<Bf16>, sum2_direct<Bf16>},
-    {compress<Fp16>, decompress<Fp16>, accumulate<Fp16>, sum_compress<Fp16>, sum2_direct<Fp16>},
-    scale_f32,
-    accumulate_f32,
-    sum2_f32,
-};
+FASTXFER_DEFINE_KERNELS(kScalarKernels, "scalar");
 
 }  // namespace fastxfer

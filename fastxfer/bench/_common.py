@@ -128,3 +128,19 @@ def write_json(path: str, payload: dict) -> None:
 def status(msg: str) -> None:
     """One line of progress on stderr (keeps stdout clean for --json -)."""
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def print_markdown(machine: dict, caption: str, columns: list[str], rows: list[list[str]],
+                   targets: list[dict] | None = None) -> None:
+    """The block a benchmark prints for bench/RESULTS.md: command, machine line, table, targets."""
+    print(f"\nCommand: `{machine['command']}`  \n{caption}\n")
+    print(markdown_table(columns, rows))
+    if targets:
+        print()
+        for t in targets:
+            print(f"- {'PASS' if t['ok'] else 'MISS'}: {t['target']}: {t['value']:.2f} (need {t['need']:g})")
+
+
+def print_targets(targets: list[dict]) -> None:
+    for t in targets:
+        print(f"  [{'PASS' if t['ok'] else 'MISS'}] {t['target']}: {t['value']:.2f} (need {t['need']:g})")

@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from fastxfer.bench._common import machine_info, markdown_table, print_table, status, write_json
+from fastxfer.bench._common import machine_info, markdown_table, print_markdown, print_table, print_targets, status, write_json
 
 GB = 1e9
 
@@ -274,8 +274,7 @@ def report(res: dict, markdown: bool = False) -> None:
     print_table("fastxfer bench allreduce", COLUMNS, rows, caption)
     for k, v in res["skipped"].items():
         print(f"  skipped {k}: {v}")
-    for t in res["targets"]:
-        print(f"  [{'PASS' if t['ok'] else 'MISS'}] {t['target']}: {t['value']:.2f} (need {t['need']:g})")
+    print_targets(res["targets"])
     model = res.get("model") or {}
     mrows = []
     for t in model.get("table", []):
@@ -288,13 +287,9 @@ def report(res: dict, markdown: bool = False) -> None:
                     f"alpha_net {model['alpha_net_s'] * 1e6:.1f} us, shm {model['shm_alpha_s'] * 1e6:.1f} us + "
                     f"{1 / model['shm_beta_s_per_byte'] / GB:.2f} GB/s (calibrated on this host)")
     if markdown:
-        print(f"\nCommand: `{m['command']}`  \n{caption}\n")
-        print(markdown_table(COLUMNS, rows))
-        print()
+        print_markdown(m, caption, COLUMNS, rows, res["targets"])
         for k, v in res["skipped"].items():
             print(f"- skipped {k}: {v}")
-        for t in res["targets"]:
-            print(f"- {'PASS' if t['ok'] else 'MISS'}: {t['target']}: {t['value']:.2f} (need {t['need']:g})")
         if mrows:
             print()
             print(markdown_table(mcols, mrows))

@@ -19,7 +19,7 @@ import numpy as np
 
 import fastxfer as fx
 from fastxfer import _core
-from fastxfer.bench._common import (Row, machine_info, markdown_table, median_seconds, print_table, status,
+from fastxfer.bench._common import (Row, machine_info, median_seconds, print_markdown, print_table, print_targets, status,
                                     usable_cpus, write_json)
 from fastxfer.fusion import BucketPlanner, pack
 
@@ -250,15 +250,9 @@ def report(result: dict, markdown: bool = False) -> None:
                "bytes read + written; medians")
     rows = [_cells(d) for d in result["rows"]]
     print_table(f"fastxfer bench compress: {result['elements'] * 4 / 1e6:.0f} MB float32", COLUMNS, rows, caption)
-    for t in result["targets"]:
-        print(f"  [{'PASS' if t['ok'] else 'MISS'}] {t['target']}: {t['value']:.2f} (need {t['need']})")
+    print_targets(result["targets"])
     if markdown:
-        print()
-        print(f"Command: `{m['command']}`  \n{caption}\n")
-        print(markdown_table(COLUMNS, rows))
-        print()
-        for t in result["targets"]:
-            print(f"- {'PASS' if t['ok'] else 'MISS'}: {t['target']}: {t['value']:.2f} (need {t['need']})")
+        print_markdown(m, caption, COLUMNS, rows, result["targets"])
 
 
 def plot(result: dict, path: str) -> None:

@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from fastxfer.bench._common import machine_info, markdown_table, print_table, status, usable_cpus
+from fastxfer.bench._common import machine_info, print_markdown, print_table, print_targets, status, usable_cpus
 
 PHOTOS = ["astronaut", "coffee", "chelsea", "rocket", "hubble_deep_field", "immunohistochemistry", "retina",
           "stereo_motorcycle"]
@@ -229,14 +229,9 @@ def main(args: argparse.Namespace) -> int:
     m = res["machine"]
     caption = f"{m['date']} | {m['cpu']} | {m['cpus']} CPUs | {res['images']} images per set | medians"
     print_table("fastxfer bench pipeline", cols, rows, caption)
-    for t in res["targets"]:
-        print(f"  [{'PASS' if t['ok'] else 'MISS'}] {t['target']}: {t['value']:.2f} (need {t['need']})")
+    print_targets(res["targets"])
     if args.markdown:
-        print(f"\nCommand: `{m['command']}`  \n{caption}\n")
-        print(markdown_table(cols, rows))
-        print()
-        for t in res["targets"]:
-            print(f"- {'PASS' if t['ok'] else 'MISS'}: {t['target']}: {t['value']:.2f} (need {t['need']})")
+        print_markdown(m, caption, cols, rows, res["targets"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from fastxfer.bench._common import machine_info, markdown_table, print_table, status
+from fastxfer.bench._common import machine_info, print_markdown, print_table, status
 
 
 def _worker(steps: int, dim: int, grads: int, grad_mb: float, out: str) -> None:
@@ -109,8 +109,7 @@ def main(args: argparse.Namespace) -> int:
                f"{res['grads']} x {res['grad_mb']} MB gradients (bf16) per step")
     print_table("fastxfer bench placement", cols, rows, caption)
     if args.markdown:
-        print(f"\nCommand: `{m['command']}`  \n{caption}\n")
-        print(markdown_table(cols, rows))
+        print_markdown(m, caption, cols, rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
