@@ -87,7 +87,7 @@ class Handle:
 
 
 def _submit(kind: str, name, arr, out, op="sum", compression="none", root=0, prescale=1.0, postscale=1.0,
-            shape=None, dtype=None) -> Handle:
+            shape=None, dtype=None, bucket_cap=0) -> Handle:
     eng, _ = process_group._require()
     if name is None:
         name = _auto_name(kind)
@@ -95,7 +95,7 @@ def _submit(kind: str, name, arr, out, op="sum", compression="none", root=0, pre
         raise TypeError(f"name must be a str, not {type(name).__name__}")
     with _lock:
         _sweep(eng)
-        rid = eng.submit(kind, name, arr, out, op, compression, root, float(prescale), float(postscale))
+        rid = eng.submit(kind, name, arr, out, op, compression, root, float(prescale), float(postscale), bucket_cap)
         _keepalive[rid] = (arr, out)
     return Handle(eng, rid, out, kind, shape, dtype)
 
@@ -111,14 +111,17 @@ def _check_out(out, a: np.ndarray) -> np.ndarray:
 
 
 def allreduce_async(array, op: str = "average", compression: str = "none", name: str | None = None,
-                    prescale: float = 1.0, postscale: float = 1.0, out: np.ndarray | None = None) -> Handle:
+                    prescale: float = 1.0, postscale: float = 1.0, out: np.ndarray | None = None,
+                    bucket_cap_mb: float | None = None) -> Handle:
     """Start reducing ``array`` across all ranks; returns a Handle whose ``wait()`` gives a new array.
 
     ``op``: sum, average, min or max. ``compression``: none, bf16 or fp16 — float32 only: the data
     travels rounded to 16 bits and is reduced in float32 (results carry the 16-bit rounding error,
     see docs/algorithms.md). ``prescale``/``postscale`` multiply before / after the reduction.
     ``out``: write the result there instead of a new array (``out=array`` reduces in place).
-    The input must stay unchanged until ``wait()`` returns.
+    The input must stay unchanged until ``wait()`` returns. ``bucket_cap_mb``: the fusion bucket
+    cap for this request (consecutive requests fuse only when their caps agree; every rank must
+    pass the same value); None uses ``init``'s.
     """
     a = _array(array)
     op = _op(op)
@@ -137,7 +140,12 @@ def allreduce_async(array, op: str = "average", compression: str = "none", name:
     size = process_group.size()
     post = postscale / size if op == "average" else postscale
     out = np.empty_like(a) if out is None else _check_out(out, a)
-    return _submit("allreduce", name, a, out, op, compression, 0, prescale, post)
+    cap = 0
+    if bucket_cap_mb is not None:
+        if not (isinstance(bucket_cap_mb, (int, float)) and 1.0 / 1024 <= bucket_cap_mb <= 4096):
+            raise ValueError(f"bucket_cap_mb must be a number between 1/1024 and 4096, not {bucket_cap_mb!r}")
+        cap = int(bucket_cap_mb * (1 << 20))
+    return _submit("allreduce", name, a, out, op, compression, 0, prescale, post, bucket_cap=cap)
 
 
 def allreduce(array, op: str = "average", compression: str = "none", name: str | None = None,

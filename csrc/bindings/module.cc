@@ -372,7 +372,8 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "submit",
           [](Engine& eng, const std::string& kind, const std::string& name, py::object input, py::object output,
-             const std::string& op, const std::string& compression, int root, double prescale, double postscale) {
+             const std::string& op, const std::string& compression, int root, double prescale, double postscale,
+             int64_t bucket_cap) {
             Request r;
             r.kind = kind_from_name(kind);
             r.op = op_from_name(op);
@@ -394,12 +395,14 @@ PYBIND11_MODULE(_core, m) {
             }
             if (r.compression != Compression::kNone && r.dtype != DType::kFloat32)
               throw py::value_error(std::string("compression applies to float32 tensors, not ") + dtype_name(r.dtype));
+            if (bucket_cap < 0) throw py::value_error("bucket_cap must be >= 0 bytes");
             r.rec = make_record(r.kind, name, r.dtype, shape, r.op, r.compression, root, prescale, postscale);
+            r.rec.bucket_cap = bucket_cap;
             return eng.submit(std::move(r));
           },
           py::arg("kind"), py::arg("name"), py::arg("input"), py::arg("output"), py::arg("op") = "sum",
           py::arg("compression") = "none", py::arg("root") = 0, py::arg("prescale") = 1.0,
-          py::arg("postscale") = 1.0)
+          py::arg("postscale") = 1.0, py::arg("bucket_cap") = 0)
       .def("wait", &Engine::wait, py::arg("id"), py::call_guard<py::gil_scoped_release>())
       .def("done", &Engine::done, py::arg("id"))
       .def("release", &Engine::release, py::arg("id"))

@@ -76,6 +76,7 @@ Record make_record(CollectiveKind kind, const std::string& name, DType dtype, co
   for (int64_t d : shape) r.numel *= d;
   r.prescale = prescale;
   r.postscale = postscale;
+  r.bucket_cap = 0;
   return r;
 }
 
@@ -89,6 +90,7 @@ std::string describe(const Record& r) {
     s << " op=" << op_name(static_cast<ReduceOp>(r.op));
     if (r.compression) s << " compression=" << compression_name(static_cast<Compression>(r.compression));
     if (r.prescale != 1.0 || r.postscale != 1.0) s << " prescale=" << r.prescale << " postscale=" << r.postscale;
+    if (r.bucket_cap) s << " bucket_cap=" << r.bucket_cap;
   }
   if (kind == CollectiveKind::kBroadcast) s << " root=" << r.root;
   return s.str();
@@ -97,7 +99,8 @@ std::string describe(const Record& r) {
 std::string compare_records(const Record& a, int ra, const Record& b, int rb) {
   bool same = a.kind == b.kind && a.name_hash == b.name_hash && a.dtype == b.dtype && a.op == b.op &&
               a.compression == b.compression && a.root == b.root && a.ndim == b.ndim &&
-              a.shape_hash == b.shape_hash && a.prescale == b.prescale && a.postscale == b.postscale;
+              a.shape_hash == b.shape_hash && a.prescale == b.prescale && a.postscale == b.postscale &&
+              a.bucket_cap == b.bucket_cap;
   if (same && a.ndim > 0) {
     int from = static_cast<CollectiveKind>(a.kind) == CollectiveKind::kAllgather ? 1 : 0;
     for (int i = from; i < a.ndim; ++i) same = same && a.shape[i] == b.shape[i];

@@ -51,6 +51,7 @@ struct Record {
   int64_t numel;  // product of the shape (per rank for allgather)
   double prescale;
   double postscale;
+  int64_t bucket_cap;  // allreduce: fusion bucket cap in bytes (0: the engine's default)
 };
 
 Record make_record(CollectiveKind kind, const std::string& name, DType dtype, const std::vector<int64_t>& shape,

@@ -219,7 +219,8 @@ void Engine::run_batch(const std::vector<Request*>& batch, const std::vector<std
         size_t e = i + 1;
         auto same = [&](const Request* a) {
           return a->kind == CollectiveKind::kAllreduce && a->dtype == r->dtype && a->op == r->op &&
-                 a->compression == r->compression && a->prescale == r->prescale && a->postscale == r->postscale;
+                 a->compression == r->compression && a->prescale == r->prescale && a->postscale == r->postscale &&
+                 a->rec.bucket_cap == r->rec.bucket_cap;
         };
         while (e < batch.size() && same(batch[e])) ++e;
         // `r` is finished with the first bucket (and may be released): keep what the run needs.
@@ -227,7 +228,8 @@ void Engine::run_batch(const std::vector<Request*>& batch, const std::vector<std
         const double prescale = r->prescale, postscale = r->postscale;
         std::vector<TensorSpec> specs;
         for (size_t k = i; k < e; ++k) specs.push_back({batch[k]->numel, batch[k]->dtype});
-        BucketPlanner planner(cfg_.bucket_cap_bytes, cfg_.bucket_cap_bytes, r->compression);
+        const size_t cap = r->rec.bucket_cap > 0 ? static_cast<size_t>(r->rec.bucket_cap) : cfg_.bucket_cap_bytes;
+        BucketPlanner planner(cap, cap, r->compression);
         for (const Bucket& b : planner.plan(specs)) {
           AllreduceJob job{&b, {}, {}, op, prescale, postscale};
           for (int t : b.tensors) {

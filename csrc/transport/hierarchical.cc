@@ -30,6 +30,7 @@ uint64_t digest(const std::vector<Record>& recs, size_t m) {
     mix(&r.shape_hash, sizeof r.shape_hash);
     mix(&r.prescale, sizeof r.prescale);
     mix(&r.postscale, sizeof r.postscale);
+    mix(&r.bucket_cap, sizeof r.bucket_cap);
     if (static_cast<CollectiveKind>(r.kind) != CollectiveKind::kAllgather) mix(&r.numel, sizeof r.numel);
   }
   return h;

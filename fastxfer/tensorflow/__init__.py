@@ -50,10 +50,21 @@ def _np_dtype(dtype: tf.DType):
     return dtype.as_numpy_dtype
 
 
+def _aligned_empty(shape, dtype) -> np.ndarray:
+    """An uninitialised array whose data starts on a 64-byte boundary: TensorFlow adopts such a
+    buffer as a tensor without copying it (numpy's own large allocations are 16-byte aligned)."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(n + 64, np.uint8)
+    off = (-raw.ctypes.data) % 64
+    return raw[off:off + n].view(dtype).reshape(shape)
+
+
 def _submit(kind, x: np.ndarray, name: str, op: str, compression: str, prescale: float, postscale: float,
-            root: int) -> int:
+            root: int, bucket_cap_mb=None) -> int:
     if kind == "allreduce":
-        h = _fx.allreduce_async(x, op=op, compression=compression, name=name, prescale=prescale, postscale=postscale)
+        h = _fx.allreduce_async(x, op=op, compression=compression, name=name, prescale=prescale, postscale=postscale,
+                                out=_aligned_empty(x.shape, x.dtype), bucket_cap_mb=bucket_cap_mb)
     elif kind == "broadcast":
         h = None
         result = _fx.broadcast(x, root=root, name=name)
@@ -70,6 +81,44 @@ def _wait(hid: int) -> np.ndarray:
     with _lock:
         h = _handles.pop(int(hid))
     return h.wait() if isinstance(h, _fx.Handle) else h
+
+
+def _wait_many(*hids):
+    return [_wait(h) for h in hids]
+
+
+def in_xla_context() -> bool:
+    """True while tracing inside a function compiled with XLA (``jit_compile=True``)."""
+    from tensorflow.python.ops import control_flow_util
+
+    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+
+
+def _graph_checks(what: str):
+    """In graph mode: refuse XLA (a clear error instead of XLA's "unsupported op PyFunc") and
+    return the graph whose collectives are chained into one fixed order."""
+    if in_xla_context():
+        raise FastxferError(
+            f"{what}: fastxfer's collectives run on the host and cannot be compiled by XLA, and this function is "
+            "being compiled with jit_compile=True. Compile only the computation (a jit_compile=True function for "
+            "the forward/backward pass, called from a plain tf.function that reduces the gradients), or use "
+            "jit_compile=False. (model.fit with fastxfer.keras.DistributedOptimizer turns XLA off for its "
+            "training step by itself.)")
+    return tf.compat.v1.get_default_graph()
+
+
+_CHAIN = "_fastxfer_last_submit"
+
+
+def _chained(graph, make_op):
+    """Run `make_op()` under a control dependency on the graph's previous collective submit, so
+    every collective of a traced function is issued in trace order on every rank (TensorFlow's
+    executor would otherwise start independent ops in any order, and ranks must agree)."""
+    last = getattr(graph, _CHAIN, None)
+    with tf.control_dependencies([last] if last is not None else []):
+        op = make_op()
+    setattr(graph, _CHAIN, op)
+    return op
 
 
 def _check_op(op, average):
@@ -94,37 +143,45 @@ def allreduce(tensor, average=None, op=Average, compression=Compression.none, na
     return _grouped([t], [name], op, compression, prescale_factor, postscale_factor)[0]
 
 
-def _grouped(tensors, names, op, compression, prescale, postscale):
-    """Graph mode: submit in list order (chained), then wait; returns the reduced tensors."""
-    handles = []
-    previous = None
-    for t, name in zip(tensors, names):
-        deps = [previous] if previous is not None else []
-        with tf.control_dependencies(deps):
-            h = tf.numpy_function(
-                lambda x, name=name: np.int64(_submit("allreduce", x, name, op, compression, prescale, postscale, 0)),
-                [t], tf.int64, stateful=True, name="fastxfer_submit")
-        handles.append(h)
-        previous = h
-    outs = []
-    for t, h in zip(tensors, handles):
-        r = tf.numpy_function(_wait, [h], t.dtype, stateful=True, name="fastxfer_wait")
+def _grouped(tensors, names, op, compression, prescale, postscale, order=None, bucket_cap_mb=None):
+    """Graph mode: submit in `order` (default: list order), each as soon as its tensor exists but
+    after the previous submit; one op waits for all results."""
+    graph = _graph_checks("allreduce")
+    order = range(len(tensors)) if order is None else order
+    handles = [None] * len(tensors)
+    for i in order:
+        t, name = tensors[i], names[i]
+        handles[i] = _chained(graph, lambda t=t, name=name: tf.numpy_function(
+            lambda x, name=name: np.int64(_submit("allreduce", x, name, op, compression, prescale, postscale, 0,
+                                                  bucket_cap_mb)),
+            [t], tf.int64, stateful=True, name="fastxfer_submit"))
+    outs = tf.numpy_function(_wait_many, handles, [t.dtype for t in tensors], stateful=True, name="fastxfer_wait")
+    outs = [outs] if not isinstance(outs, (list, tuple)) else list(outs)
+    for r, t in zip(outs, tensors):
         r.set_shape(t.shape)
-        outs.append(r)
     return outs
 
 
 def grouped_allreduce(tensors, op=Average, compression=Compression.none, name=None, prescale_factor=1.0,
-                      postscale_factor=1.0):
-    """Reduce a list of tensors; fused by the engine, submitted in list order."""
+                      postscale_factor=1.0, names=None, order=None, bucket_cap_mb=None):
+    """Reduce a list of tensors, fused by the engine. Submitted in list order, or in `order` (a
+    permutation of the indexes, e.g. reversed for gradients, which a backward pass produces last
+    layer first); `names` names each tensor (identical on every rank)."""
     op = _check_op(op, None)
     ts = [tf.convert_to_tensor(t) for t in tensors]
-    names = [_op_name("allreduce", None if name is None else f"{name}.{i}") for i in range(len(ts))]
+    if names is None:
+        names = [_op_name("allreduce", None if name is None else f"{name}.{i}") for i in range(len(ts))]
+    elif len(names) != len(ts):
+        raise ValueError(f"{len(names)} names for {len(ts)} tensors")
+    order = list(range(len(ts))) if order is None else list(order)
+    if sorted(order) != list(range(len(ts))):
+        raise ValueError("order must be a permutation of range(len(tensors))")
     if tf.executing_eagerly():
-        hs = [_fx.allreduce_async(t.numpy(), op=op, compression=compression, name=n, prescale=prescale_factor,
-                                  postscale=postscale_factor) for t, n in zip(ts, names)]
-        return [tf.convert_to_tensor(h.wait()) for h in hs]
-    return _grouped(ts, names, op, compression, prescale_factor, postscale_factor)
+        hs = {i: _fx.allreduce_async(ts[i].numpy(), op=op, compression=compression, name=names[i],
+                                     prescale=prescale_factor, postscale=postscale_factor,
+                                     bucket_cap_mb=bucket_cap_mb) for i in order}
+        return [tf.convert_to_tensor(hs[i].wait()) for i in range(len(ts))]
+    return _grouped(ts, names, op, compression, prescale_factor, postscale_factor, order, bucket_cap_mb)
 
 
 def _single(kind, tensor, name, root=0):
@@ -134,8 +191,10 @@ def _single(kind, tensor, name, root=0):
         x = t.numpy()
         out = _fx.broadcast(x, root=root, name=name) if kind == "broadcast" else _fx.allgather(x, name=name)
         return tf.convert_to_tensor(out)
-    h = tf.numpy_function(lambda x: np.int64(_submit(kind, x, name, "sum", "none", 1.0, 1.0, root)), [t], tf.int64,
-                          stateful=True, name=f"fastxfer_{kind}")
+    graph = _graph_checks(kind)
+    h = _chained(graph, lambda: tf.numpy_function(
+        lambda x: np.int64(_submit(kind, x, name, "sum", "none", 1.0, 1.0, root)), [t], tf.int64, stateful=True,
+        name=f"fastxfer_{kind}"))
     r = tf.numpy_function(_wait, [h], t.dtype, stateful=True, name="fastxfer_wait")
     if kind == "broadcast":
         r.set_shape(t.shape)
@@ -188,18 +247,65 @@ class DistributedGradientTape:
 
     def gradient(self, target, sources, output_gradients=None, **kw):
         grads = self._tape.gradient(target, sources, output_gradients=output_gradients, **kw)
+        flat_sources = tf.nest.flatten(sources)
         flat = tf.nest.flatten(grads)
-        idx = [i for i, g in enumerate(flat) if g is not None]
-        dense = [tf.convert_to_tensor(flat[i]) for i in idx]
-        pre = 1.0 / self._predivide if self._op == Average else 1.0
-        post = self._predivide if self._op == Average else 1.0
-        reduced = grouped_allreduce(dense, op=self._op, compression=self._compression, name=None,
-                                    prescale_factor=pre, postscale_factor=post) if dense else []
-        for i, r in zip(idx, reduced):
-            flat[i] = r
-        return tf.nest.pack_sequence_as(grads, flat)
+        reduced = reduce_gradients(flat, flat_sources, op=self._op, compression=self._compression,
+                                   gradient_predivide_factor=self._predivide, prefix="DistributedGradientTape")
+        return tf.nest.pack_sequence_as(grads, reduced)
 
 
-__all__ = ["Average", "Compression", "DistributedGradientTape", "Max", "Min", "Sum", "allgather", "allreduce",
+def reduce_gradients(grads, variables, op=Average, compression=Compression.none, gradient_predivide_factor=1.0,
+                     bucket_cap_mb=None, prefix="grad"):
+    """Allreduce a list of gradients (one per variable) the way DistributedGradientTape and
+    DistributedOptimizer do: submitted last variable first (the order a backward pass produces
+    them), fused by the engine; a None gradient contributes zeros, so every rank applies the same
+    update. IndexedSlices are made dense."""
+    grads = list(grads)
+    if len(grads) != len(variables):
+        raise ValueError(f"{len(grads)} gradients for {len(variables)} variables")
+    dense, names = [], []
+    for i, (g, v) in enumerate(zip(grads, variables)):
+        if g is None:
+            g = tf.zeros(v.shape, dtype=_variable_dtype(v))
+        elif isinstance(g, tf.IndexedSlices):
+            g = tf.convert_to_tensor(g)
+        dense.append(tf.convert_to_tensor(g))
+        names.append(f"{prefix}.{i}.{_short_name(v)}")
+    if not dense:
+        return []
+    op = _check_op(op, None)
+    f = float(gradient_predivide_factor)
+    if f <= 0:
+        raise ValueError(f"gradient_predivide_factor must be > 0, not {gradient_predivide_factor}")
+    pre, post = (1.0 / f, f) if op == Average else (1.0, 1.0)
+    comp = compression if compression in (Compression.none, Compression.fp16, Compression.bf16) else None
+    if comp is None:
+        raise ValueError(f"compression must be Compression.none, .fp16 or .bf16, not {compression!r}")
+    # compression applies to float32 gradients; others (float16/bfloat16 variables) travel as they are
+    comps = [comp if d.dtype == tf.float32 else Compression.none for d in dense]
+    out = [None] * len(dense)
+    order = list(reversed(range(len(dense))))
+    for c in dict.fromkeys(comps):  # one group per wire format, each in backward order
+        idx = [i for i in order if comps[i] == c]
+        red = grouped_allreduce([dense[i] for i in idx], op=op, compression=c, prescale_factor=pre,
+                                postscale_factor=post, names=[names[i] for i in idx], bucket_cap_mb=bucket_cap_mb)
+        for i, r in zip(idx, red):
+            out[i] = r
+    return out
+
+
+def _variable_dtype(v):
+    d = getattr(v, "dtype", None)
+    return tf.as_dtype(d) if d is not None else tf.float32
+
+
+def _short_name(v) -> str:
+    # the variable's own name without its layer path: layer names carry per-process counters
+    # (dense_3) that can differ between ranks that built different throwaway models
+    name = str(getattr(v, "name", "var")).split(":")[0]
+    return name.rsplit("/", 1)[-1][-40:]
+
+
+__all__ = ["Average", "Compression", "DistributedGradientTape", "in_xla_context", "reduce_gradients", "Max", "Min", "Sum", "allgather", "allreduce",
            "broadcast", "broadcast_object", "broadcast_variables", "grouped_allreduce", "init", "is_initialized",
            "local_rank", "local_size", "rank", "shutdown", "size"]

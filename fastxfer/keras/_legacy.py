@@ -1,0 +1,99 @@
+"""DistributedOptimizer for tf-keras 2.x optimizers (``TF_USE_LEGACY_KERAS=1``, ``import tf_keras``).
+
+tf-keras's ``Model.train_step`` calls ``optimizer.minimize`` -> ``apply_gradients(grads_and_vars)``;
+the run-time subclass reduces the gradients there, before the wrapped class's own
+``apply_gradients``. Under mixed_float16 the optimizer is a ``LossScaleOptimizer`` whose
+``apply_gradients`` is likewise preceded by the reduction, so every rank sees the same (scaled)
+sum before deciding whether the step is finite.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+import tf_keras
+
+from fastxfer.keras import _optimizer as _k3
+
+_WRAPPED = _k3._WRAPPED
+
+
+class _LegacyMixin:
+    def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        pairs = list(grads_and_vars)
+        grads = [g for g, _ in pairs]
+        variables = [v for _, v in pairs]
+        s = self._fastxfer
+        if s.k == 1:
+            reduced = _k3._reduce(s, grads, variables)
+            return super().apply_gradients(list(zip(reduced, variables)), *args, **kwargs)
+        accs = self._fastxfer_accumulators(variables)
+        for a, g in zip(accs, grads):
+            if g is not None:
+                a.assign_add(tf.convert_to_tensor(g))
+        self._fastxfer_passes.assign_add(1)
+
+        def reduce_and_apply():
+            scale = 1.0 / s.k if s.average_aggregated else 1.0
+            local = [tf.identity(a) * scale for a in accs]
+            super(_LegacyMixin, self).apply_gradients(list(zip(_k3._reduce(s, local, variables), variables)),
+                                                      *args, **kwargs)
+            for a in accs:
+                a.assign(tf.zeros_like(a))
+            return tf.constant(True)
+
+        if tf.executing_eagerly():
+            if int(self._fastxfer_passes.numpy()) % s.k == 0:
+                reduce_and_apply()
+        else:
+            tf.cond(tf.equal(self._fastxfer_passes % s.k, 0), reduce_and_apply, lambda: tf.constant(False))
+        return self.iterations
+
+    def _fastxfer_accumulators(self, variables):
+        store = self.__dict__.setdefault("_fastxfer_acc", {})
+        with tf.init_scope():
+            if "_fastxfer_passes" not in self.__dict__:
+                self.__dict__["_fastxfer_passes"] = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                                                name="fastxfer_passes")
+            for v in variables:
+                key = id(v)
+                if key not in store:
+                    store[key] = tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
+                                             name="fastxfer_accumulator")
+        return [store[id(v)] for v in variables]
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        fx_config = config.pop("fastxfer", None) or {}
+        base = cls.__mro__[2]
+        return _k3_distributed(base.from_config(config, custom_objects=custom_objects), fx_config)
+
+
+def _k3_distributed(inner, fx_config):
+    from fastxfer.keras import DistributedOptimizer
+
+    return DistributedOptimizer(inner, **fx_config)
+
+
+def is_legacy_optimizer(optimizer) -> bool:
+    return isinstance(optimizer, (tf_keras.optimizers.Optimizer, tf_keras.optimizers.legacy.Optimizer,
+                                  tf_keras.mixed_precision.LossScaleOptimizer))
+
+
+def distributed_legacy(optimizer, settings):
+    if getattr(optimizer, _WRAPPED, False):
+        raise ValueError("this optimizer is already a fastxfer DistributedOptimizer")
+    lso_types = (tf_keras.mixed_precision.LossScaleOptimizer,)
+    if not isinstance(optimizer, lso_types) and tf_keras.mixed_precision.global_policy().name == "mixed_float16":
+        optimizer = tf_keras.mixed_precision.LossScaleOptimizer(optimizer)
+    if isinstance(optimizer, lso_types) and settings.k != 1:
+        raise ValueError("backward_passes_per_step > 1 is not supported with loss scaling (mixed_float16)")
+    base = type(optimizer)
+    cls = _k3._classes.get(base)
+    if cls is None:
+        cls = type(base.__name__, (_LegacyMixin, base), {"__module__": base.__module__, _WRAPPED: True})
+        _k3._classes[base] = cls
+    new = base.from_config(optimizer.get_config())  # a LossScaleOptimizer's config holds its inner one
+    new.__class__ = cls
+    new._fastxfer = settings
+    return new

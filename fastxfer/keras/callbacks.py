@@ -1,0 +1,186 @@
+"""Horovod's Keras callbacks for fastxfer: broadcast the initial state, average metrics, warm up
+the learning rate, and checkpoint from rank 0 only.
+
+They derive from Keras 3's callback classes, or from tf-keras's when ``TF_USE_LEGACY_KERAS=1`` is
+set before the import (tf-keras models only call tf-keras callbacks)."""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import numpy as np
+
+if os.environ.get("TF_USE_LEGACY_KERAS") == "1":  # tf.keras is tf-keras: its models call its callbacks
+    import tf_keras as keras
+else:
+    import keras
+
+import fastxfer as _fx
+import fastxfer.tensorflow as _ftf
+
+
+def _inner(optimizer):
+    return getattr(optimizer, "inner_optimizer", optimizer)
+
+
+def _local_state(optimizer) -> list:
+    out = []
+    for o in (optimizer, _inner(optimizer)):
+        acc = o.__dict__.get("_fastxfer_acc")
+        out += list(acc.values()) if isinstance(acc, dict) else list(acc or [])
+    return out
+
+
+def _set_lr(optimizer, value: float) -> None:
+    opt = _inner(optimizer)
+    lr = opt.learning_rate if hasattr(opt, "learning_rate") else opt.lr
+    if hasattr(lr, "assign"):
+        lr.assign(value)
+    else:
+        opt.learning_rate = value
+
+
+def _get_lr(optimizer) -> float:
+    opt = _inner(optimizer)
+    lr = getattr(opt, "_learning_rate", None)
+    if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule) or (callable(lr) and not hasattr(lr, "numpy")):
+        raise ValueError("this callback sets the learning rate itself: give the optimizer a float learning rate, "
+                         "not a schedule")
+    return float(np.asarray(opt.learning_rate))
+
+
+class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+    """Makes every rank start from root_rank's weights and optimizer state.
+
+    Broadcasts at the start of training (Keras 3 builds the optimizer before that); optimizer
+    variables that only exist after the first step (tf-keras) are broadcast after it."""
+
+    def __init__(self, root_rank: int = 0, device: str = ""):
+        super().__init__()
+        self.root_rank = int(root_rank)
+        self._optimizer_done = False
+
+    def _variables(self, with_optimizer: bool):
+        vs = list(self.model.variables)
+        opt = getattr(self.model, "optimizer", None)
+        if with_optimizer and opt is not None:
+            # backward_passes_per_step's accumulators hold this rank's own gradients: never broadcast
+            local = {id(v) for v in _local_state(opt)}
+            ovs = list(opt.variables) if not callable(opt.variables) else list(opt.variables())
+            vs += [v for v in ovs if id(v) not in local]
+        return vs
+
+    def on_train_begin(self, logs=None):
+        if not 0 <= self.root_rank < _fx.size():
+            raise ValueError(f"root_rank {self.root_rank} is not a rank of this job (size {_fx.size()})")
+        opt = getattr(self.model, "optimizer", None)
+        built = opt is not None and bool(getattr(opt, "built", False) or getattr(opt, "_built", False))
+        _ftf.broadcast_variables(self._variables(built), root_rank=self.root_rank)
+        self._optimizer_done = built
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not self._optimizer_done:
+            _ftf.broadcast_variables(self._variables(True), root_rank=self.root_rank)
+            self._optimizer_done = True
+
+
+class MetricAverageCallback(keras.callbacks.Callback):
+    """Replaces each epoch's metrics in `logs` by their average over ranks, so that callbacks
+    after it (early stopping, checkpointing, learning-rate schedules) see the same numbers
+    everywhere. Put it before them in the callbacks list."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is None or _fx.size() == 1:
+            return
+        keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0 and np.isreal(v))
+        names = "\0".join(keys)
+        # ranks must report the same metrics: compare a digest of the key list first
+        digest = np.array([len(keys), zlib.crc32(names.encode())], np.float64)
+        lo = _fx.oob_allreduce(digest, op="min", name="MetricAverageCallback.keys")
+        hi = _fx.oob_allreduce(digest, op="max", name="MetricAverageCallback.keys")
+        if not np.array_equal(lo, hi):
+            raise _fx.MismatchError(f"MetricAverageCallback: ranks report different metrics (this rank: {keys})")
+        if not keys:
+            return
+        values = np.array([float(logs[k]) for k in keys], np.float64)
+        avg = _fx.oob_allreduce(values, op="average", name="MetricAverageCallback.values")
+        for k, v in zip(keys, avg):
+            logs[k] = float(v)
+
+
+class LearningRateWarmupCallback(keras.callbacks.Callback):
+    """Goyal et al.'s gradual warm-up: the learning rate grows linearly, batch by batch, from
+    ``initial_lr / size`` to ``initial_lr`` over ``warmup_epochs`` epochs (Horovod's formula).
+
+    ``momentum_correction``: when the rate changes from lr_old to lr_new, SGD's velocity (which
+    includes the rate in Keras's update) is multiplied by lr_new / lr_old, as in Goyal et al.
+    """
+
+    def __init__(self, initial_lr: float, warmup_epochs: float = 5, momentum_correction: bool = True,
+                 steps_per_epoch: int | None = None, verbose: int = 0):
+        super().__init__()
+        if not initial_lr > 0:
+            raise ValueError(f"initial_lr must be > 0, not {initial_lr!r}")
+        if not warmup_epochs > 0:
+            raise ValueError(f"warmup_epochs must be > 0, not {warmup_epochs!r}")
+        self.initial_lr = float(initial_lr)
+        self.warmup_epochs = float(warmup_epochs)
+        self.momentum_correction = momentum_correction
+        self.steps_per_epoch = steps_per_epoch
+        self.verbose = verbose
+        self._epoch = 0
+        self._current = None
+
+    def lr_at(self, epoch: float) -> float:
+        """The warm-up rate at a fractional epoch."""
+        n = _fx.size()
+        if epoch >= self.warmup_epochs:
+            return self.initial_lr
+        return self.initial_lr / n * (epoch * (n - 1) / self.warmup_epochs + 1)
+
+    def on_train_begin(self, logs=None):
+        _get_lr(self.model.optimizer)  # refuses schedules
+        if self.steps_per_epoch is None:
+            self.steps_per_epoch = self.params.get("steps") if self.params else None
+        if not self.steps_per_epoch:
+            raise ValueError("LearningRateWarmupCallback needs steps_per_epoch (Keras did not report it)")
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        e = self._epoch + batch / self.steps_per_epoch
+        if e > self.warmup_epochs and self._current == self.initial_lr:
+            return
+        new = self.lr_at(e)
+        old = _get_lr(self.model.optimizer)
+        if new == old:
+            return
+        if self.momentum_correction and old > 0:
+            opt = _inner(self.model.optimizer)
+            for m in getattr(opt, "momentums", []) or []:
+                m.assign(m * (new / old))
+        _set_lr(self.model.optimizer, new)
+        self._current = new
+        if self.verbose and _fx.rank() == 0 and batch == 0:
+            print(f"\nEpoch {self._epoch + 1}: LearningRateWarmupCallback sets the learning rate to {new:.6g}")
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs["lr"] = _get_lr(self.model.optimizer)
+
+
+class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """keras.callbacks.ModelCheckpoint that writes on rank 0 only (same arguments). Put a
+    MetricAverageCallback before it so that ``save_best_only`` decides on averaged metrics."""
+
+    def _save_model(self, epoch, batch, logs):
+        if _fx.rank() == 0:
+            super()._save_model(epoch, batch, logs)
+
+
+def rank0_only(callback: keras.callbacks.Callback) -> keras.callbacks.Callback:
+    """Returns `callback` on rank 0 and a callback that does nothing elsewhere (for loggers,
+    TensorBoard and other side effects that one rank should own)."""
+    return callback if _fx.rank() == 0 else keras.callbacks.Callback()

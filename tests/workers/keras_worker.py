@@ -1,0 +1,188 @@
+"""Worker for tests/test_keras.py (started by `fastxfer run`). Each mode trains with
+fastxfer.keras on N ranks and compares with one process training on the concatenated batch."""
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+LEGACY = os.environ.get("TF_USE_LEGACY_KERAS") == "1"
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+if LEGACY:
+    import tf_keras as keras  # noqa: E402
+else:
+    import keras  # noqa: E402
+
+import fastxfer.keras as hvd  # noqa: E402
+
+B, STEPS, D = 8, 6, 5
+
+
+def data(n):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((STEPS * n * B, D)).astype(np.float32)
+    y = (x @ rng.standard_normal((D, 3)) + 0.3).astype(np.float32)
+    return x, y
+
+
+def shard(a, r, n, b=B):
+    """Rank r's part of every global batch of n*b rows."""
+    return a.reshape(-1, n, b, *a.shape[1:])[:, r].reshape(-1, *a.shape[1:])
+
+
+def mlp(seed, bn=None):
+    keras.utils.set_random_seed(seed)
+    layers = [keras.Input((D,)), keras.layers.Dense(16, activation="tanh")]
+    if bn is not None:
+        layers.append(bn())
+    layers += [keras.layers.Dense(3)]
+    return keras.Sequential(layers)
+
+
+def flat(model):
+    return np.concatenate([np.asarray(v.numpy() if hasattr(v, "numpy") else v).astype(np.float64).ravel()
+                           for v in model.variables])
+
+
+def same_on_all_ranks(vec):
+    everyone = hvd.allgather(tf.constant(vec[None])).numpy()
+    return bool((everyone == everyone[0]).all())
+
+
+def set_policy(name):
+    if LEGACY:
+        keras.mixed_precision.set_global_policy(name)
+    else:
+        keras.mixed_precision.set_dtype_policy(name)
+
+
+def fit_mode(mode):
+    """mode: graph | eager | jit | bf16comm | mixed_bfloat16 | mixed_float16 | accum"""
+    r, n = hvd.rank(), hvd.size()
+    k = 3 if mode == "accum" else 1
+    x, y = data(n * k)
+    policy = mode if mode.startswith("mixed_") else "float32"
+    set_policy(policy)
+    model = mlp(100 + r)  # different initial weights on every rank: the callback must fix that
+    ref = mlp(100)  # rank 0's initial weights
+    kw = dict(compression=hvd.Compression.bf16 if mode == "bf16comm" else hvd.Compression.none)
+    if mode == "accum":
+        kw.update(backward_passes_per_step=k, average_aggregated_gradients=True)
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.5), **kw)
+    compile_kw = {}
+    if mode == "eager":
+        compile_kw["run_eagerly"] = True
+    if mode == "jit":
+        compile_kw["jit_compile"] = True
+    model.compile(optimizer=opt, loss="mse", **compile_kw)
+    model.fit(shard(x, r, n), shard(y, r, n), batch_size=B, epochs=1, shuffle=False, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    mine = flat(model)
+    assert same_on_all_ranks(mine), f"{mode}: weights differ between ranks"
+    # one process, batch n*B*k, plain optimizer, same start
+    ref.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.5), loss="mse")
+    ref.fit(x, y, batch_size=n * B * k, epochs=1, shuffle=False, verbose=0)
+    want = flat(ref)
+    err = float(np.max(np.abs(mine - want) / (np.abs(want) + 1)))
+    # float32: only the summation order differs. bf16 on the wire: each gradient rounded to 8
+    # significant bits twice (relative error <= 2^-8 per step), over 6 steps: < 1e-2 relative
+    # to the weights' scale. Mixed precision: the forward pass runs in 16 bits on batches of
+    # different sizes (different kernels, different rounding): 2e-2.
+    tol = {"bf16comm": 1e-2, "mixed_bfloat16": 2e-2, "mixed_float16": 2e-2}.get(mode, 2e-5)
+    assert err < tol, f"{mode}: max relative difference {err:.3g} from one process on the whole batch (tol {tol})"
+    if mode == "mixed_float16" and not LEGACY:
+        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    set_policy("float32")
+    print(f"OK fit {mode} rank {r} err {err:.2e}", flush=True)
+
+
+def syncbn():
+    r, n = hvd.rank(), hvd.size()
+    x, y = data(n)
+    model = mlp(7, bn=lambda: hvd.SyncBatchNormalization(momentum=0.8))
+    ref = mlp(7, bn=lambda: keras.layers.BatchNormalization(momentum=0.8))
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    model.fit(shard(x, r, n), shard(y, r, n), batch_size=B, epochs=1, shuffle=False, verbose=0)
+    ref.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    ref.fit(x, y, batch_size=n * B, epochs=1, shuffle=False, verbose=0)
+    mine, want = flat(model), flat(ref)  # includes moving mean and variance
+    assert same_on_all_ranks(mine), "SyncBatchNormalization: weights differ between ranks"
+    err = float(np.max(np.abs(mine - want) / (np.abs(want) + 1)))
+    assert err < 5e-5, f"SyncBatchNormalization differs from BatchNormalization on the whole batch: {err:.3g}"
+    # and it really synchronises: plain BatchNormalization on the shards ends elsewhere
+    plain = mlp(7, bn=lambda: keras.layers.BatchNormalization(momentum=0.8))
+    plain.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    plain.fit(shard(x, r, n), shard(y, r, n), batch_size=B, epochs=1, shuffle=False, verbose=0)
+    other = float(np.max(np.abs(flat(plain) - want) / (np.abs(want) + 1)))
+    assert other > 100 * max(err, 1e-7), f"per-rank batch norm should differ (got {other:.3g})"
+    print(f"OK syncbn rank {r} err {err:.2e} unsynced {other:.2e}", flush=True)
+
+
+def callbacks_mode():
+    r, n = hvd.rank(), hvd.size()
+    x, y = data(n)
+    model = mlp(3 + r)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)), loss="mse")
+    seen = {}
+
+    class Record(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            seen[epoch] = dict(logs)
+
+    warm = hvd.callbacks.LearningRateWarmupCallback(0.1, warmup_epochs=2, steps_per_epoch=STEPS)
+    lrs = []
+
+    class LR(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            lrs.append(float(np.asarray(self.model.optimizer.learning_rate)))
+
+    ckdir = sys.argv[2]
+    ck = hvd.callbacks.ModelCheckpoint(os.path.join(ckdir, "model.keras"))
+    model.fit(shard(x, r, n), shard(y, r, n) + r, batch_size=B, epochs=3, shuffle=False, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback(),
+                         warm, LR(), Record(), ck])
+    # warm-up: Horovod's formula, batch by batch, then the full rate
+    want = [warm.lr_at(e + b / STEPS) for e in range(3) for b in range(STEPS)]
+    np.testing.assert_allclose(lrs, want, rtol=1e-6)
+    assert abs(want[0] - 0.1 / n) < 1e-9 and want[-1] == 0.1
+    # averaged metrics: identical on every rank, and equal to the mean of the local losses
+    loss = np.array([seen[e]["loss"] for e in range(3)])
+    assert same_on_all_ranks(loss), "MetricAverageCallback: ranks disagree"
+    assert same_on_all_ranks(flat(model)), "weights differ between ranks"
+    hvd.allreduce(tf.constant(0.0))  # everyone done writing
+    files = sorted(os.listdir(ckdir))
+    assert files == ["model.keras"], files
+    print(f"OK callbacks rank {r}", flush=True)
+
+
+def mismatch():
+    r = hvd.rank()
+    model = keras.Sequential([keras.Input((D,)), keras.layers.Dense(4 + r)])  # ranks disagree on a shape
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    x = np.ones((B, D), np.float32)
+    try:
+        model.fit(x, np.ones((B, 4 + r), np.float32), batch_size=B, verbose=0)
+    except Exception as e:  # inside model.fit TensorFlow re-raises it as an op error carrying the message
+        msg = str(e)
+        assert "MismatchError" in msg and "float32[4]" in msg and "float32[5]" in msg, msg
+        print(f"OK mismatch rank {r}: " + msg[msg.index("MismatchError"):].splitlines()[0], flush=True)
+        return
+    raise AssertionError("ranks with different models trained without an error")
+
+
+if __name__ == "__main__":
+    hvd.init()
+    what = sys.argv[1]
+    if what == "fit":
+        for m in sys.argv[2].split(","):
+            fit_mode(m)
+    elif what == "syncbn":
+        syncbn()
+    elif what == "callbacks":
+        callbacks_mode()
+    elif what == "mismatch":
+        mismatch()
+        os._exit(0)  # the engine has failed: skip the collective shutdown
+    hvd.shutdown()
