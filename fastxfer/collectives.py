@@ -149,9 +149,10 @@ def allreduce_async(array, op: str = "average", compression: str = "none", name:
 
 
 def allreduce(array, op: str = "average", compression: str = "none", name: str | None = None,
-              prescale: float = 1.0, postscale: float = 1.0, out: np.ndarray | None = None) -> np.ndarray:
+              prescale: float = 1.0, postscale: float = 1.0, out: np.ndarray | None = None,
+              bucket_cap_mb: float | None = None) -> np.ndarray:
     """Reduce ``array`` across all ranks and return the result (see allreduce_async)."""
-    return allreduce_async(array, op, compression, name, prescale, postscale, out).wait()
+    return allreduce_async(array, op, compression, name, prescale, postscale, out, bucket_cap_mb).wait()
 
 
 def oob_allreduce(array, op: str = "average", name: str | None = None) -> np.ndarray:

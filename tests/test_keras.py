@@ -55,6 +55,27 @@ def test_models_that_differ_raise_mismatch_on_every_rank():
     _ok(r, r"OK mismatch rank \d: MismatchError.*'DistributedOptimizer\.\d+\.bias'")
 
 
+def test_bucket_cap_per_request():
+    r = launch(2, W, "bucketcap", env=ENV, timeout=600)
+    _ok(r, r"OK bucketcap rank \d")
+
+
+def test_bench_train_smoke(tmp_path):
+    out = tmp_path / "train.json"
+    r = subprocess.run([sys.executable, "-m", "fastxfer.cli", "bench", "train", "--steps", "2", "--warmup", "1",
+                        "--no-peers", "--model", "MobileNetV3Small", "--json", str(out)], capture_output=True,
+                       text=True, timeout=900, cwd="/", env={**os.environ, **ENV})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    import json
+
+    res = json.loads(out.read_text())
+    names = [x["name"] for x in res["results"]]
+    assert names[0] == "alone (1 worker)" and "fastxfer bf16" in names and "no-comm (2 independent workers)" in names
+    for x in res["results"]:
+        assert x["ms_per_step"] > 0 and abs(x["efficiency"] - res["results"][0]["ms_per_step"] / x["ms_per_step"]) < 1e-9
+    assert "scaling efficiency" in r.stdout and "| fastxfer bf16 | 2 |" in r.stdout
+
+
 @pytest.mark.skipif(importlib.util.find_spec("tf_keras") is None, reason="tf-keras not installed")
 def test_tf_keras_legacy():
     r = launch(2, W, "fit", "graph,eager,bf16comm,accum,mixed_float16", env={**ENV, "TF_USE_LEGACY_KERAS": "1"},

@@ -172,6 +172,26 @@ def mismatch():
     raise AssertionError("ranks with different models trained without an error")
 
 
+def bucketcap():
+    """Per-request bucket caps: exact results with several caps; ranks that disagree -> MismatchError."""
+    import fastxfer as fx
+
+    r, n = hvd.rank(), hvd.size()
+    xs = [np.arange(300_000, dtype=np.float32) * (i + 1) + r for i in range(5)]  # 1.2 MB each
+    for cap in (0.25, 1.0, 64.0):
+        hs = [fx.allreduce_async(x, op="sum", name=f"cap{cap}.{i}", bucket_cap_mb=cap) for i, x in enumerate(xs)]
+        for i, h in enumerate(hs):
+            want = np.arange(300_000, dtype=np.float32) * (i + 1) * n + sum(range(n))
+            assert np.array_equal(h.wait(), want), (cap, i)
+    try:
+        fx.allreduce(xs[0], op="sum", name="disagree", bucket_cap_mb=1.0 + r)
+    except fx.MismatchError as e:
+        assert "bucket_cap" in str(e), str(e)
+        print(f"OK bucketcap rank {r}", flush=True)
+        return
+    raise AssertionError("ranks with different bucket caps reduced without an error")
+
+
 if __name__ == "__main__":
     hvd.init()
     what = sys.argv[1]
@@ -182,6 +202,9 @@ if __name__ == "__main__":
         syncbn()
     elif what == "callbacks":
         callbacks_mode()
+    elif what == "bucketcap":
+        bucketcap()
+        os._exit(0)
     elif what == "mismatch":
         mismatch()
         os._exit(0)  # the engine has failed: skip the collective shutdown
