@@ -24,6 +24,9 @@ from fastxfer.tensorflow import (Average, Compression, Max, Min, Sum, allgather,
                                  broadcast, broadcast_object, broadcast_variables, grouped_allreduce, init,
                                  is_initialized, local_rank, local_size, rank, shutdown, size)
 from fastxfer.keras import callbacks  # noqa: F401
+from fastxfer.keras import optimizers, schedules  # noqa: F401
+from fastxfer.keras.optimizers import LARS, RMSpropToSGD  # noqa: F401
+from fastxfer.keras.schedules import scale_lr  # noqa: F401
 from fastxfer.keras import _optimizer
 from fastxfer.keras._layers import SyncBatchNormalization  # noqa: F401
 
@@ -102,7 +105,8 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
     return model
 
 
-__all__ = ["Average", "Compression", "DistributedOptimizer", "FastxferError", "Max", "Min", "MismatchError",
+__all__ = ["Average", "Compression", "DistributedOptimizer", "FastxferError", "LARS", "RMSpropToSGD", "optimizers",
+           "scale_lr", "schedules", "Max", "Min", "MismatchError",
            "PeerFailureError", "Sum", "SyncBatchNormalization", "allgather", "allreduce", "broadcast",
            "broadcast_object", "broadcast_variables", "callbacks", "grouped_allreduce", "init", "is_initialized",
            "load_model", "local_rank", "local_size", "oob_allreduce", "rank", "shutdown", "size"]

@@ -172,6 +172,43 @@ def mismatch():
     raise AssertionError("ranks with different models trained without an error")
 
 
+def averaging():
+    from fastxfer.keras.callbacks import _average_variables
+
+    r, n = hvd.rank(), hvd.size()
+    v = keras.Variable(np.full((3, 2), float(r), np.float32))
+    c = keras.Variable(np.array(7 + r, np.int64))  # non-float: left alone
+    _average_variables([v, c], "t")
+    assert np.array_equal(v.numpy(), np.full((3, 2), (n - 1) / 2, np.float32)) and int(c.numpy()) == 7 + r
+    x, y = data(n)
+    model = mlp(11 + r)
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")  # local SGD: plain optimizer
+    cb = hvd.callbacks.ModelAveragingCallback(every_n_steps=4)
+    model.fit(shard(x, r, n), shard(y, r, n) * (1 + r), batch_size=B, epochs=2, shuffle=False, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), cb])
+    assert cb.averages == 3, cb.averages  # after steps 4, 8, 12 (= the last step: no extra average at the end)
+    assert same_on_all_ranks(flat(model)), "weights differ after averaging"
+    print(f"OK averaging rank {r}", flush=True)
+
+
+def earlystop():
+    r, n = hvd.rank(), hvd.size()
+    x, y = data(n)
+    model = mlp(1)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+
+    class Score(keras.callbacks.Callback):  # rank 0 alone would keep improving; the average worsens
+        def on_epoch_end(self, epoch, logs=None):
+            logs["score"] = 1.0 - 0.1 * epoch if r == 0 else 1.0 + 1.0 * epoch
+
+    stop = hvd.callbacks.EarlyStopping(monitor="score", mode="min", patience=1)
+    hist = model.fit(shard(x, r, n), shard(y, r, n), batch_size=B, epochs=20, shuffle=False, verbose=0,
+                     callbacks=[Score(), stop])
+    epochs = len(hist.history["loss"])
+    assert epochs == 2, epochs  # best at epoch 0 (average 1.0), worse at epoch 1: patience 1 stops there
+    print(f"OK earlystop rank {r} epochs {epochs}", flush=True)
+
+
 def bucketcap():
     """Per-request bucket caps: exact results with several caps; ranks that disagree -> MismatchError."""
     import fastxfer as fx
@@ -202,6 +239,10 @@ if __name__ == "__main__":
         syncbn()
     elif what == "callbacks":
         callbacks_mode()
+    elif what == "averaging":
+        averaging()
+    elif what == "earlystop":
+        earlystop()
     elif what == "bucketcap":
         bucketcap()
         os._exit(0)
