@@ -34,7 +34,7 @@ def parse(argv=None):
     p.add_argument("--precision", choices=["float32", "bf16"], default="float32")
     p.add_argument("--pretrain-epochs", type=int, default=4)
     p.add_argument("--epochs", type=int, default=15, help="fine-tuning epochs at most (early stopping)")
-    p.add_argument("--patience", type=int, default=2)
+    p.add_argument("--patience", type=int, default=3)
     p.add_argument("--unfreeze-epochs", type=int, default=0, help="fine-tune the whole network for N more epochs")
     p.add_argument("--batch-size", type=int, default=32, help="per worker")
     p.add_argument("--lr", type=float, default=0.05, help="single-worker learning rate (scaled linearly)")
@@ -197,7 +197,7 @@ def summarise(results: list[dict]) -> None:
         rows.append([str(r["workers"]), r["precision"], f"{r['accuracy'] * 100:.1f}%", str(r["epochs"]),
                      f"{r['wall_s']:.1f}", f"{r['images_per_s']:.0f}", f"{speed:.2f}x" if speed else "-",
                      "yes" if r["identical_weights"] else "NO"])
-    cols = ["workers", "precision", "val. accuracy", "epochs", "wall s", "images/s", "speed-up", "same weights"]
+    cols = ["workers", "precision", "accuracy", "epochs", "seconds", "img/s", "speed-up", "same weights"]
     title = "Transfer learning on MNIST digits 5-9 (backbone pretrained on 0-4)"
     try:
         from rich.console import Console
