@@ -56,3 +56,19 @@ def test_efficientnet_on_packed_jpegs_short(tmp_path):
     r = json.loads(out_json.read_text())
     assert r["workers"] == 2 and r["sync_bn_layers"] == 49 and 0.0 <= r["val_accuracy"] <= 1.0
     assert r["images_per_s"] > 0
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_transfer_learning_from_a_resnet50_weights_file(tmp_path):
+    """The --weights path: a Keras ResNet-50 (include_top=False) weights file from disk."""
+    code = (f"import keras; keras.applications.ResNet50(include_top=False, weights=None, input_shape=(32, 32, 3), "
+            f"pooling='avg').save_weights({str(tmp_path / 'r50.weights.h5')!r})")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=ENV, cwd="/")
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "transfer_mnist.py"), "--worker",
+                          "--weights", str(tmp_path / "r50.weights.h5"), "--limit", "64", "--epochs", "1",
+                          "--json", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=900,
+                         env=ENV, cwd="/")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert res["workers"] == 1 and res["epochs"] == 1 and res["pretrain_s"] < 1.0  # no pretraining with weights

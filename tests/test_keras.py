@@ -36,6 +36,11 @@ def test_fit_three_workers():
     _ok(r, r"OK fit graph rank \d", 3)
 
 
+def test_none_gradients_skipped_everywhere_or_mismatch():
+    r = launch(2, W, "nonegrads", env=ENV, timeout=900)
+    _ok(r, r"OK nonegrads rank \d")
+
+
 def test_sync_batch_normalization_matches_whole_batch():
     r = launch(2, W, "syncbn", env=ENV, timeout=900)
     _ok(r, r"OK syncbn rank \d")
@@ -123,6 +128,14 @@ except TypeError as e:
     print("OK type")
 opt = hvd.DistributedOptimizer(keras.optimizers.Adam(1e-3))
 assert isinstance(opt, keras.optimizers.Adam) and type(opt).__name__ == "Adam"
+adamw = keras.optimizers.AdamW(1e-3)
+adamw.exclude_from_weight_decay(var_names=["bias"])
+class Sched(keras.optimizers.schedules.LearningRateSchedule):  # unregistered: no config round trip
+    def __call__(self, step):
+        return 0.1
+sgd = keras.optimizers.SGD(Sched())
+assert hvd.DistributedOptimizer(adamw) is adamw and hvd.DistributedOptimizer(sgd) is sgd  # wrapped in place
+assert adamw._exclude_from_weight_decay_pattern.pattern == "bias"
 try:
     hvd.DistributedOptimizer(opt)
 except ValueError as e:

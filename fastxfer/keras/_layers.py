@@ -30,8 +30,8 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     """keras.layers.BatchNormalization whose training-time mean and variance are those of the
     global batch (all workers' samples together), as if one worker ran the concatenated batch.
 
-    Each call reduces one small vector per layer (count, per-channel sum and sum of squares)
-    across ranks; the backward pass reduces its gradient the same way. Moving statistics are
+    Each call reduces one small vector per layer (count, per-channel sums of x - c and of
+    (x - c)^2, with c the moving mean, which is the same on every rank) across ranks; the backward pass reduces its gradient the same way. Moving statistics are
     updated from the global moments, so they stay identical on every rank. Inference and a
     single-rank job behave exactly like BatchNormalization. Same arguments as BatchNormalization
     (``synchronized`` is refused: that is the tf.distribute mechanism this layer replaces).
@@ -48,23 +48,34 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
             return super()._moments(inputs, mask)
         axes = self._reduction_axes
         x = tf.convert_to_tensor(inputs)
+        # Shift by the moving mean (identical on every rank: broadcast at the start, then updated
+        # from global moments): sums of (x - c) and (x - c)^2 keep E[x^2] - E[x]^2 from cancelling
+        # when |mean| >> std.
+        c = tf.cast(tf.reshape(self.moving_mean, [-1]), x.dtype)
+        keep = [i for i in range(len(x.shape)) if i not in axes]
+        shape = [1] * len(x.shape)
+        for i in keep:
+            shape[i] = x.shape[i]
+        d = x - tf.reshape(c, shape)
         if mask is None:
             count = tf.cast(tf.reduce_prod(tf.gather(tf.shape(x), axes)), x.dtype)
-            s = tf.reduce_sum(x, axis=axes)
-            q = tf.reduce_sum(tf.square(x), axis=axes)
         else:
-            w = tf.cast(tf.broadcast_to(tf.expand_dims(tf.cast(mask, x.dtype), -1), tf.shape(x)), x.dtype)
-            count = tf.reduce_sum(w) / tf.cast(tf.shape(x)[-1], x.dtype)
-            s = tf.reduce_sum(x * w, axis=axes)
-            q = tf.reduce_sum(tf.square(x) * w, axis=axes)
-        stats = tf.concat([tf.reshape(count, [1]), s, q], axis=0)
-        total = _allreduce_sum_differentiable(stats)
-        c = tf.shape(s)[0]
+            w = tf.broadcast_to(tf.expand_dims(tf.cast(mask, tf.bool), -1), tf.shape(x))
+            d = tf.where(w, d, tf.zeros_like(d))  # masked positions contribute nothing, even NaN
+            count = tf.reduce_sum(tf.cast(w, x.dtype)) / tf.cast(tf.reduce_prod(tf.gather(tf.shape(x), keep)),
+                                                                  x.dtype)
+        # sums in float64: the shift is only as good as the moving mean (0 at the first step)
+        d64 = tf.cast(d, tf.float64)
+        s = tf.reshape(tf.reduce_sum(d64, axis=axes), [-1])
+        q = tf.reshape(tf.reduce_sum(tf.square(d64), axis=axes), [-1])
+        total = _allreduce_sum_differentiable(tf.concat([tf.reshape(tf.cast(count, tf.float64), [1]), s, q], axis=0))
+        k = tf.shape(s)[0]
         n = total[0]
-        mean = total[1:1 + c] / n
-        # E[x^2] - mean^2 (as tf.distribute's synchronised batch norm does), clamped at 0
-        variance = tf.maximum(total[1 + c:] / n - tf.square(mean), 0.0)
-        return mean, variance
+        dm = total[1:1 + k] / n
+        variance = tf.cast(tf.maximum(total[1 + k:] / n - tf.square(dm), 0.0), x.dtype)
+        mean = c + tf.cast(dm, x.dtype)
+        stat_shape = [x.shape[i] for i in keep]
+        return tf.reshape(mean, stat_shape), tf.reshape(variance, stat_shape)
 
     def get_config(self):
         config = super().get_config()

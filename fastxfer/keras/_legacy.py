@@ -31,10 +31,11 @@ class _LegacyMixin:
             if g is not None:
                 a.assign_add(tf.convert_to_tensor(g))
         self._fastxfer_passes.assign_add(1)
+        present = [g is not None for g in grads]
 
         def reduce_and_apply():
             scale = 1.0 / s.k if s.average_aggregated else 1.0
-            local = [tf.identity(a) * scale for a in accs]
+            local = [tf.identity(a) * scale if p else None for a, p in zip(accs, present)]
             super(_LegacyMixin, self).apply_gradients(list(zip(_k3._reduce(s, local, variables), variables)),
                                                       *args, **kwargs)
             for a in accs:
@@ -45,7 +46,9 @@ class _LegacyMixin:
             if int(self._fastxfer_passes.numpy()) % s.k == 0:
                 reduce_and_apply()
         else:
-            tf.cond(tf.equal(self._fastxfer_passes % s.k, 0), reduce_and_apply, lambda: tf.constant(False))
+            graph = tf.compat.v1.get_default_graph()
+            _k3._ftf._chained(graph, lambda: tf.cond(tf.equal(self._fastxfer_passes % s.k, 0), reduce_and_apply,
+                                                     lambda: tf.constant(False)))
         return self.iterations
 
     def _fastxfer_accumulators(self, variables):
@@ -93,7 +96,6 @@ def distributed_legacy(optimizer, settings):
     if cls is None:
         cls = type(base.__name__, (_LegacyMixin, base), {"__module__": base.__module__, _WRAPPED: True})
         _k3._classes[base] = cls
-    new = base.from_config(optimizer.get_config())  # a LossScaleOptimizer's config holds its inner one
-    new.__class__ = cls
-    new._fastxfer = settings
-    return new
+    optimizer.__class__ = cls  # in place: keeps what a config round trip would lose
+    optimizer._fastxfer = settings
+    return optimizer

@@ -62,9 +62,14 @@ class _Settings:
                 "op": self.op}
 
 
+def _dtype(v):
+    d = getattr(v, "dtype", "float32")
+    return tf.as_dtype(d if not hasattr(d, "as_numpy_dtype") else d.name)
+
+
 def _reduce(settings: _Settings, grads, variables):
-    if _fx.size() == 1 and settings.predivide == 1.0:
-        return list(grads)  # one rank: nothing to reduce (Average and Sum are the identity)
+    if _fx.size() == 1:
+        return list(grads)  # one rank: nothing to reduce (Average and Sum, with any predivide factor, are the identity)
     return _ftf.reduce_gradients(grads, variables, op=settings.op, compression=settings.compression,
                                  gradient_predivide_factor=settings.predivide, bucket_cap_mb=settings.bucket_cap_mb,
                                  prefix="DistributedOptimizer")
@@ -128,11 +133,15 @@ class _DistributedMixin:
         super().build(variables)
         s = self._fastxfer
         if s.k > 1:
-            # local accumulators for backward_passes_per_step (saved with the optimizer's state)
-            self._fastxfer_acc = [self.add_variable_from_reference(v, name="fastxfer_accumulator")
-                                  for v in variables]
-            self._fastxfer_passes = self.add_variable(shape=(), dtype="int64", initializer="zeros",
-                                                      name="fastxfer_passes")
+            # Local accumulators for backward_passes_per_step. Kept out of the optimizer's tracked
+            # variables (set through __dict__): a saved model reloads with the plain optimizer,
+            # whose variable list must match; a partial accumulation is transient anyway.
+            with tf.init_scope():
+                self.__dict__["_fastxfer_acc"] = [
+                    tf.Variable(tf.zeros(v.shape, _dtype(v)), trainable=False, name="fastxfer_accumulator")
+                    for v in variables]
+                self.__dict__["_fastxfer_passes"] = tf.Variable(tf.constant(0, tf.int64), trainable=False,
+                                                                name="fastxfer_passes")
 
     def apply(self, grads, trainable_variables=None):
         if _called_from_foreign_loss_scaler(self):
@@ -163,20 +172,26 @@ class _DistributedMixin:
             if g is not None:
                 a.assign_add(tf.convert_to_tensor(g))
         self._fastxfer_passes.assign_add(1)
+        present = [g is not None for g in grads]  # static: a None gradient stays None
 
         def reduce_and_apply():
             scale = 1.0 / s.k if s.average_aggregated else 1.0
-            local = [a.value * scale if scale != 1.0 else a.value for a in accs]
+            local = [(tf.identity(a) * scale if scale != 1.0 else tf.identity(a)) if p else None
+                     for a, p in zip(accs, present)]
             super(_DistributedMixin, self).apply(_reduce(s, local, variables), variables)
             for a in accs:
-                a.assign(tf.zeros_like(a.value))
+                a.assign(tf.zeros_like(a))
             return tf.constant(True)
 
         if tf.executing_eagerly():
-            if int(self._fastxfer_passes.value) % s.k == 0:
+            if int(self._fastxfer_passes.numpy()) % s.k == 0:
                 reduce_and_apply()
             return None
-        tf.cond(tf.equal(self._fastxfer_passes.value % s.k, 0), reduce_and_apply, lambda: tf.constant(False))
+        # the cond holds collectives: order it after this graph's earlier collectives, and later
+        # ones after it (TensorFlow does not order a cond against other host callbacks)
+        graph = tf.compat.v1.get_default_graph()
+        _ftf._chained(graph, lambda: tf.cond(tf.equal(self._fastxfer_passes % s.k, 0), reduce_and_apply,
+                                             lambda: tf.constant(False)))
         return None
 
     @classmethod
@@ -239,14 +254,14 @@ def distributed_keras3(optimizer, settings: _Settings):
         if getattr(optimizer.inner_optimizer, _WRAPPED, False):
             raise ValueError("pass the plain optimizer inside the LossScaleOptimizer, not a DistributedOptimizer")
         cls = _distributed_class(type(optimizer), _DistributedLossScaleMixin)
-        new = type(optimizer).from_config(optimizer.get_config())
-        new.__class__ = cls
     else:
         cls = _distributed_class(type(optimizer), _DistributedMixin)
-        new = type(optimizer).from_config(optimizer.get_config())
-        new.__class__ = cls
-    new._fastxfer = settings
-    return new
+    # The optimizer object itself becomes distributed (its class is swapped): rebuilding it from
+    # its config would lose what the config does not hold (exclude_from_weight_decay, callables,
+    # unregistered schedules) and fail for custom classes.
+    optimizer.__class__ = cls
+    optimizer._fastxfer = settings
+    return optimizer
 
 
 def wrap_in_place(optimizer, settings: _Settings):

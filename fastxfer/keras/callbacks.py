@@ -24,12 +24,29 @@ def _inner(optimizer):
     return getattr(optimizer, "inner_optimizer", optimizer)
 
 
+def _built(optimizer) -> bool:
+    return bool(getattr(optimizer, "built", False) or getattr(optimizer, "_built", False))
+
+
 def _local_state(optimizer) -> list:
     out = []
     for o in (optimizer, _inner(optimizer)):
         acc = o.__dict__.get("_fastxfer_acc")
         out += list(acc.values()) if isinstance(acc, dict) else list(acc or [])
     return out
+
+
+def _velocities(optimizer) -> list:
+    """Momentum buffers that carry the learning rate (v = m*v + lr*g): Keras's SGD (tf-keras's
+    too) and fastxfer's LARS / RMSpropToSGD. Other optimizers' moments are not rescaled."""
+    opt = _inner(optimizer)
+    from fastxfer.keras.optimizers import LARS, RMSpropToSGD
+
+    if isinstance(opt, (LARS, RMSpropToSGD)):
+        return list(opt.velocities)
+    if type(opt).__name__ == "SGD" or "SGD" in [c.__name__ for c in type(opt).__mro__]:
+        return [m for m in (getattr(opt, "momentums", None) or []) if m is not None]
+    return []
 
 
 def _set_lr(optimizer, value: float) -> None:
@@ -53,8 +70,9 @@ def _get_lr(optimizer) -> float:
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     """Makes every rank start from root_rank's weights and optimizer state.
 
-    Broadcasts at the start of training (Keras 3 builds the optimizer before that); optimizer
-    variables that only exist after the first step (tf-keras) are broadcast after it."""
+    Broadcasts at the start of training, after building the optimizer if needed, so that every
+    rank broadcasts the same list (whether its optimizer was restored or fresh); if an optimizer
+    cannot be built before the first step, its variables are broadcast after that step."""
 
     def __init__(self, root_rank: int = 0, device: str = ""):
         super().__init__()
@@ -75,7 +93,15 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         if not 0 <= self.root_rank < _fx.size():
             raise ValueError(f"root_rank {self.root_rank} is not a rank of this job (size {_fx.size()})")
         opt = getattr(self.model, "optimizer", None)
-        built = opt is not None and bool(getattr(opt, "built", False) or getattr(opt, "_built", False))
+        if opt is not None and not _built(opt):
+            # Build it now, so that every rank broadcasts the same variables whether or not its
+            # optimizer was restored (load_model builds it; a fresh compile does not)
+            try:
+                opt.build(self.model.trainable_variables)
+            except Exception:  # noqa: BLE001 - an optimizer that cannot be built early: after the first batch
+                pass
+        built = np.array([1.0 if opt is not None and _built(opt) else 0.0])
+        built = _fx.size() == 1 or _fx.oob_allreduce(built, op="min", name="BroadcastGlobalVariables.built")[0] == 1.0
         _ftf.broadcast_variables(self._variables(built), root_rank=self.root_rank)
         self._optimizer_done = built
 
@@ -93,7 +119,8 @@ class MetricAverageCallback(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if logs is None or _fx.size() == 1:
             return
-        keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0 and np.isreal(v))
+        keys = sorted(k for k, v in logs.items()
+                      if isinstance(v, (int, float, np.number)) or (hasattr(v, "numpy") and np.ndim(v) == 0))
         names = "\0".join(keys)
         # ranks must report the same metrics: compare a digest of the key list first
         digest = np.array([len(keys), zlib.crc32(names.encode())], np.float64)
@@ -158,8 +185,7 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         if new == old:
             return
         if self.momentum_correction and old > 0:
-            opt = _inner(self.model.optimizer)
-            for m in getattr(opt, "momentums", []) or []:
+            for m in _velocities(self.model.optimizer):
                 m.assign(m * (new / old))
         _set_lr(self.model.optimizer, new)
         self._current = new

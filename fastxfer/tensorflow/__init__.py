@@ -41,9 +41,18 @@ _trace_names = itertools.count()
 
 
 def _op_name(kind: str, name: str | None) -> str:
-    # Graph mode: names are fixed when the function is traced, identically on every rank that
-    # traces the same program; eager calls draw from the same sequence.
-    return name if name is not None else f"tf.{kind}.{next(_trace_names)}"
+    """A name for an unnamed collective. In a traced function: a counter kept on that graph, so the
+    names are fixed at trace time and identical on every rank that traces the same function, even
+    if some rank traced other functions (or this one again) in between; eagerly: a process-wide
+    counter, the same sequence on every rank that makes the same calls."""
+    if name is not None:
+        return name
+    if tf.executing_eagerly():
+        return f"tf.{kind}.{next(_trace_names)}"
+    graph = tf.compat.v1.get_default_graph()
+    n = getattr(graph, "_fastxfer_names", 0)
+    setattr(graph, "_fastxfer_names", n + 1)
+    return f"tf.graph.{kind}.{n}"
 
 
 def _np_dtype(dtype: tf.DType):
@@ -258,39 +267,42 @@ def reduce_gradients(grads, variables, op=Average, compression=Compression.none,
                      bucket_cap_mb=None, prefix="grad"):
     """Allreduce a list of gradients (one per variable) the way DistributedGradientTape and
     DistributedOptimizer do: submitted last variable first (the order a backward pass produces
-    them), fused by the engine; a None gradient contributes zeros, so every rank applies the same
-    update. IndexedSlices are made dense."""
+    them), fused by the engine. A None gradient stays None and is not communicated (Keras then
+    skips its variable, as it would in one process): every rank must have None for the same
+    variables -- they do when every rank runs the same model code -- otherwise the ranks submit
+    different requests and all of them raise MismatchError naming the gradient. IndexedSlices are
+    made dense."""
     grads = list(grads)
     if len(grads) != len(variables):
         raise ValueError(f"{len(grads)} gradients for {len(variables)} variables")
-    dense, names = [], []
-    for i, (g, v) in enumerate(zip(grads, variables)):
-        if g is None:
-            g = tf.zeros(v.shape, dtype=_variable_dtype(v))
-        elif isinstance(g, tf.IndexedSlices):
-            g = tf.convert_to_tensor(g)
-        dense.append(tf.convert_to_tensor(g))
-        names.append(f"{prefix}.{i}.{_short_name(v)}")
-    if not dense:
-        return []
     op = _check_op(op, None)
     f = float(gradient_predivide_factor)
     if f <= 0:
         raise ValueError(f"gradient_predivide_factor must be > 0, not {gradient_predivide_factor}")
-    pre, post = (1.0 / f, f) if op == Average else (1.0, 1.0)
-    comp = compression if compression in (Compression.none, Compression.fp16, Compression.bf16) else None
-    if comp is None:
+    if compression not in (Compression.none, Compression.fp16, Compression.bf16):
         raise ValueError(f"compression must be Compression.none, .fp16 or .bf16, not {compression!r}")
+    pre, post = (1.0 / f, f) if op == Average else (1.0, 1.0)
+    dense, names, where = [], [], []
+    for i, (g, v) in enumerate(zip(grads, variables)):
+        if g is None:
+            continue
+        if isinstance(g, tf.IndexedSlices):
+            g = tf.convert_to_tensor(g)
+        dense.append(tf.convert_to_tensor(g))
+        names.append(f"{prefix}.{i}.{_short_name(v)}")
+        where.append(i)
+    out = list(grads)
+    if not dense:
+        return out
     # compression applies to float32 gradients; others (float16/bfloat16 variables) travel as they are
-    comps = [comp if d.dtype == tf.float32 else Compression.none for d in dense]
-    out = [None] * len(dense)
+    comps = [compression if d.dtype == tf.float32 else Compression.none for d in dense]
     order = list(reversed(range(len(dense))))
     for c in dict.fromkeys(comps):  # one group per wire format, each in backward order
-        idx = [i for i in order if comps[i] == c]
-        red = grouped_allreduce([dense[i] for i in idx], op=op, compression=c, prescale_factor=pre,
-                                postscale_factor=post, names=[names[i] for i in idx], bucket_cap_mb=bucket_cap_mb)
-        for i, r in zip(idx, red):
-            out[i] = r
+        idx = [j for j in order if comps[j] == c]
+        red = grouped_allreduce([dense[j] for j in idx], op=op, compression=c, prescale_factor=pre,
+                                postscale_factor=post, names=[names[j] for j in idx], bucket_cap_mb=bucket_cap_mb)
+        for j, r in zip(idx, red):
+            out[where[j]] = r
     return out
 
 

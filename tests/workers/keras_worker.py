@@ -34,9 +34,10 @@ def shard(a, r, n, b=B):
 
 def mlp(seed, bn=None):
     keras.utils.set_random_seed(seed)
-    layers = [keras.Input((D,)), keras.layers.Dense(16, activation="tanh")]
+    layers = [keras.Input((D,))]
     if bn is not None:
-        layers.append(bn())
+        layers.append(bn())  # straight on the inputs, so the test can give them a large mean
+    layers.append(keras.layers.Dense(16, activation="tanh"))
     layers += [keras.layers.Dense(3)]
     return keras.Sequential(layers)
 
@@ -98,9 +99,62 @@ def fit_mode(mode):
     print(f"OK fit {mode} rank {r} err {err:.2e}", flush=True)
 
 
+def none_grads():
+    """A variable without a gradient on every rank is skipped as in one process (unchanged); one
+    without a gradient on some ranks only makes every rank raise MismatchError naming it."""
+    r, n = hvd.rank(), hvd.size()
+    keras.utils.set_random_seed(5)
+    main = keras.layers.Dense(3, name="main")
+    unused = keras.layers.Dense(3, name="unused")
+    side = keras.layers.Dense(3, name="side")
+
+    class Model(keras.Model):
+        def __init__(self, asymmetric):
+            super().__init__()
+            self.main, self.unused, self.side, self.asymmetric = main, unused, side, asymmetric
+
+        def call(self, x):
+            y = self.main(x)
+            if self.asymmetric and r == 0:
+                y = y + self.side(x)
+            return y
+
+    x, y = data(n)
+    model = Model(False)
+    model(np.zeros((1, D), np.float32))
+    unused(np.zeros((1, D), np.float32))
+    side(np.zeros((1, D), np.float32))
+    before = unused.kernel.numpy().copy()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)), loss="mse")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Keras warns that some variables have no gradient
+        model.fit(shard(x, r, n), shard(y, r, n), batch_size=B, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    assert same_on_all_ranks(flat(model)), "weights differ between ranks"
+    assert np.array_equal(unused.kernel.numpy(), hvd.broadcast(tf.constant(before), 0).numpy()), \
+        "a variable without gradient changed"
+    t = hvd.oob_allreduce(tf.constant([float(r), 1.0]), op=hvd.Sum)
+    assert t.numpy().tolist() == [n * (n - 1) / 2, float(n)]
+    bad = Model(True)
+    bad(np.zeros((1, D), np.float32))
+    bad.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            bad.fit(shard(x, r, n), shard(y, r, n), batch_size=B, epochs=1, shuffle=False, verbose=0)
+    except Exception as e:
+        assert "MismatchError" in str(e), str(e)
+        print(f"OK nonegrads rank {r}", flush=True)
+        return
+    raise AssertionError("a rank-dependent None gradient trained without an error")
+
+
 def syncbn():
     r, n = hvd.rank(), hvd.size()
     x, y = data(n)
+    x = x * 0.5 + 300.0  # |mean| >> std: E[x^2] - E[x]^2 in float32 would lose the variance
     model = mlp(7, bn=lambda: hvd.SyncBatchNormalization(momentum=0.8))
     ref = mlp(7, bn=lambda: keras.layers.BatchNormalization(momentum=0.8))
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
@@ -235,6 +289,9 @@ if __name__ == "__main__":
     if what == "fit":
         for m in sys.argv[2].split(","):
             fit_mode(m)
+    elif what == "nonegrads":
+        none_grads()
+        os._exit(0)  # the engine has failed (the mismatch): skip the collective shutdown
     elif what == "syncbn":
         syncbn()
     elif what == "callbacks":
