@@ -35,6 +35,7 @@ class Compression:
 
 
 _handles: dict[int, object] = {}
+submitted = 0  # collectives handed to the engine by this module so far (observability, tests)
 _handle_ids = itertools.count(1)
 _lock = threading.Lock()
 _trace_names = itertools.count()
@@ -80,9 +81,11 @@ def _submit(kind, x: np.ndarray, name: str, op: str, compression: str, prescale:
     else:
         h = None
         result = _fx.allgather(x, name=name)
+    global submitted
     with _lock:
         hid = next(_handle_ids)
         _handles[hid] = h if h is not None else result
+        submitted += 1
     return hid
 
 
