@@ -41,6 +41,12 @@ def test_none_gradients_skipped_everywhere_or_mismatch():
     _ok(r, r"OK nonegrads rank \d")
 
 
+@pytest.mark.parametrize("inter_op", ["1", "2"])
+def test_gradients_are_submitted_during_the_backward_pass(inter_op):
+    r = launch(2, W, "overlap", env={**ENV, "TF_NUM_INTEROP_THREADS": inter_op}, timeout=600)
+    _ok(r, r"OK overlap rank \d")
+
+
 def test_sync_batch_normalization_matches_whole_batch():
     r = launch(2, W, "syncbn", env=ENV, timeout=900)
     _ok(r, r"OK syncbn rank \d")

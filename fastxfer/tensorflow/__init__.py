@@ -13,6 +13,7 @@ jit_compile=True must keep them outside the compiled part.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 
 import numpy as np
@@ -155,18 +156,22 @@ def allreduce(tensor, average=None, op=Average, compression=Compression.none, na
     return _grouped([t], [name], op, compression, prescale_factor, postscale_factor)[0]
 
 
-def _grouped(tensors, names, op, compression, prescale, postscale, order=None, bucket_cap_mb=None):
+def _grouped(tensors, names, op, compression, prescale, postscale, order=None, bucket_cap_mb=None, pin=False):
     """Graph mode: submit in `order` (default: list order), each as soon as its tensor exists but
-    after the previous submit; one op waits for all results."""
+    after the previous submit; one op waits for all results. `pin`: the tensors are gradients
+    from a backward pass; make the backward pass wait for each submit (see _pin_to_backward)."""
     graph = _graph_checks("allreduce")
     order = range(len(tensors)) if order is None else order
     handles = [None] * len(tensors)
+    before = getattr(graph, _CHAIN, None)
     for i in order:
         t, name = tensors[i], names[i]
         handles[i] = _chained(graph, lambda t=t, name=name: tf.numpy_function(
             lambda x, name=name: np.int64(_submit("allreduce", x, name, op, compression, prescale, postscale, 0,
                                                   bucket_cap_mb)),
             [t], tf.int64, stateful=True, name="fastxfer_submit"))
+    if pin and _PIN:
+        _pin_to_backward(graph, [tensors[i] for i in order], [handles[i] for i in order], before)
     outs = tf.numpy_function(_wait_many, handles, [t.dtype for t in tensors], stateful=True, name="fastxfer_wait")
     outs = [outs] if not isinstance(outs, (list, tuple)) else list(outs)
     for r, t in zip(outs, tensors):
@@ -174,8 +179,56 @@ def _grouped(tensors, names, op, compression, prescale, postscale, order=None, b
     return outs
 
 
+_PIN = os.environ.get("FASTXFER_TF_PIN", "1") != "0"
+
+
+def _op_id(op) -> int:
+    return op._id  # creation order within the graph  # noqa: SLF001
+
+
+def _reaches(src, target, floor: int) -> bool:
+    """Is `src` an ancestor of `target`? Searches target's ancestors with creation id >= floor
+    (inputs are created before their consumers, so a path from src only passes ops created after
+    src, except through control edges this module added, whose targets are all >= floor)."""
+    stack, seen = [target], set()
+    while stack:
+        op = stack.pop()
+        if op is src:
+            return True
+        for p in [t.op for t in op.inputs] + list(op.control_inputs):
+            if p.graph is target.graph and _op_id(p) >= floor and p._id not in seen:  # noqa: SLF001
+                seen.add(p._id)  # noqa: SLF001
+                stack.append(p)
+    return False
+
+
+def _pin_to_backward(graph, grads, submits, before) -> None:
+    """Overlap for real: TensorFlow's executor would let a ready submit wait behind the rest of the
+    backward pass (its inter-op queues run the next layer's matmuls first). So each op that
+    continues the backward pass from a gradient's inputs -- the other consumers of the tensors the
+    gradient was computed from, e.g. the input-gradient matmul of the same layer -- gets a control
+    edge from that gradient's submit: the backward pass goes on once the gradient is with the
+    engine. An edge is added only where it cannot close a cycle: the consumer must not be an
+    ancestor of the submit (whose ancestors are all earlier gradients and submits)."""
+    floor = None  # lowest creation id among ops given an edge here
+    for g, sub in zip(grads, submits):
+        if g.graph is not graph:
+            continue
+        sop = sub.op
+        for t in g.op.inputs:
+            for c in t.consumers():
+                if c is g.op or c.graph is not graph or c.type in ("PyFunc", "EagerPyFunc") \
+                        or sop in c.control_inputs:
+                    continue
+                lo = _op_id(c) if floor is None else min(floor, _op_id(c))
+                if _reaches(c, sop, lo):
+                    continue
+                c._add_control_input(sop)  # noqa: SLF001
+                floor = lo
+
+
 def grouped_allreduce(tensors, op=Average, compression=Compression.none, name=None, prescale_factor=1.0,
-                      postscale_factor=1.0, names=None, order=None, bucket_cap_mb=None):
+                      postscale_factor=1.0, names=None, order=None, bucket_cap_mb=None, _pin=False):
     """Reduce a list of tensors, fused by the engine. Submitted in list order, or in `order` (a
     permutation of the indexes, e.g. reversed for gradients, which a backward pass produces last
     layer first); `names` names each tensor (identical on every rank)."""
@@ -193,7 +246,7 @@ def grouped_allreduce(tensors, op=Average, compression=Compression.none, name=No
                                      prescale=prescale_factor, postscale=postscale_factor,
                                      bucket_cap_mb=bucket_cap_mb) for i in order}
         return [tf.convert_to_tensor(hs[i].wait()) for i in range(len(ts))]
-    return _grouped(ts, names, op, compression, prescale_factor, postscale_factor, order, bucket_cap_mb)
+    return _grouped(ts, names, op, compression, prescale_factor, postscale_factor, order, bucket_cap_mb, pin=_pin)
 
 
 def _single(kind, tensor, name, root=0):
@@ -303,7 +356,8 @@ def reduce_gradients(grads, variables, op=Average, compression=Compression.none,
     for c in dict.fromkeys(comps):  # one group per wire format, each in backward order
         idx = [j for j in order if comps[j] == c]
         red = grouped_allreduce([dense[j] for j in idx], op=op, compression=c, prescale_factor=pre,
-                                postscale_factor=post, names=[names[j] for j in idx], bucket_cap_mb=bucket_cap_mb)
+                                postscale_factor=post, names=[names[j] for j in idx], bucket_cap_mb=bucket_cap_mb,
+                                _pin=True)
         for j, r in zip(idx, red):
             out[where[j]] = r
     return out

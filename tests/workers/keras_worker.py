@@ -151,6 +151,43 @@ def none_grads():
     raise AssertionError("a rank-dependent None gradient trained without an error")
 
 
+def overlap():
+    """Gradients reach the engine during the backward pass: when the backward pass gets to the
+    first layer, the gradients of all the layers above it have been submitted, in every step."""
+    import fastxfer.tensorflow as ftf
+
+    r = hvd.rank()
+    seen = []
+
+    def record(x):
+        seen.append(ftf.submitted)
+        return x
+
+    @tf.custom_gradient
+    def probe(x):
+        def grad(dy):
+            # stateless: TensorFlow runs stateful host callbacks in program order, which would put
+            # this probe (created by tape.gradient) before the optimizer's submits regardless
+            return tf.numpy_function(record, [dy], dy.dtype, stateful=False)
+        return tf.identity(x), grad
+
+    keras.utils.set_random_seed(3)
+    inp = keras.Input((64,))
+    h = keras.layers.Dense(256, activation="relu")(inp)
+    h = keras.layers.Lambda(probe)(h)  # its gradient runs after the 5 layers above it, before the first
+    for _ in range(4):
+        h = keras.layers.Dense(256, activation="relu")(h)
+    model = keras.Model(inp, keras.layers.Dense(4)(h))
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+    x = np.random.default_rng(r).standard_normal((64 * 6, 64)).astype(np.float32)
+    model.fit(x, np.zeros((64 * 6, 4), np.float32), batch_size=64, epochs=1, shuffle=False, verbose=0)
+    # submitted before the probe in step s: s*12 from earlier steps + this step's 10 gradients of
+    # the 5 upper layers; gradients sent after the backward pass would give s*12
+    early = [seen[s] - s * 12 for s in range(len(seen))]
+    assert early == [10] * 6, f"gradients were not all submitted during the backward pass: {early}"
+    print(f"OK overlap rank {r}", flush=True)
+
+
 def syncbn():
     r, n = hvd.rank(), hvd.size()
     x, y = data(n)
@@ -292,6 +329,8 @@ if __name__ == "__main__":
     elif what == "nonegrads":
         none_grads()
         os._exit(0)  # the engine has failed (the mismatch): skip the collective shutdown
+    elif what == "overlap":
+        overlap()
     elif what == "syncbn":
         syncbn()
     elif what == "callbacks":
