@@ -43,7 +43,7 @@ def test_none_gradients_skipped_everywhere_or_mismatch():
 
 @pytest.mark.parametrize("inter_op", ["1", "2"])
 def test_gradients_are_submitted_during_the_backward_pass(inter_op):
-    r = launch(2, W, "overlap", env={**ENV, "TF_NUM_INTEROP_THREADS": inter_op}, timeout=600)
+    r = launch(2, W, "overlap", env={**ENV, "TF_NUM_INTEROP_THREADS": inter_op, "FASTXFER_TF_PIN": "1"}, timeout=600)
     _ok(r, r"OK overlap rank \d")
 
 
@@ -161,3 +161,17 @@ hvd.shutdown()
     assert r.returncode == 0, r.stderr[-3000:]
     for tag in ["before init", "compression", "backward_passes_per_step", "bucket_cap_mb", "op", "type", "twice", "xla"]:
         assert f"OK {tag}" in r.stdout, (tag, r.stdout, r.stderr[-2000:])
+
+
+def test_pin_modes(monkeypatch):
+    import fastxfer.tensorflow as ftf
+
+    for value, want in [("1", True), ("on", True), ("0", False), ("off", False)]:
+        monkeypatch.setenv("FASTXFER_TF_PIN", value)
+        assert ftf._pin_enabled() is want
+    monkeypatch.setenv("FASTXFER_TF_PIN", "sometimes")
+    with pytest.raises(ValueError, match="FASTXFER_TF_PIN"):
+        ftf._pin_enabled()
+    monkeypatch.setenv("FASTXFER_TF_PIN", "auto")
+    monkeypatch.setenv("FASTXFER_ENGINE_CPUS", "1")
+    assert ftf._pin_enabled() is True  # the engine has a core of its own

@@ -8,6 +8,8 @@ worker; 1 worker vs 2 workers, side by side in one run:
 - ``no-comm``: 2 workers training independently (each bound to its own core): what the machine
   allows before any communication, i.e. the ceiling of scaling efficiency here;
 - ``fastxfer none`` / ``fastxfer bf16``: 2 workers, ``fastxfer.keras.DistributedOptimizer``;
+  also bf16 with ``FASTXFER_TF_PIN=1`` (submits pinned into the backward pass even though each
+  worker has one core and no spare one for the engine; the default, auto, does not pin then);
 - ``MWMS``: tf.distribute.MultiWorkerMirroredStrategy with tf-keras (Keras 3's fails inside
   model.fit, keras-team/keras#20585), 2 worker processes over gRPC on localhost;
 - ``Horovod``: where ``horovod.tensorflow.keras`` imports (it does not build against TF 2.21).
@@ -87,7 +89,9 @@ def _worker_fastxfer(args) -> None:
     import fastxfer.keras as hvd
 
     hvd.init()
-    kind = args.worker.split(":", 1)[1]  # alone, alone-interop, nocomm, none, bf16, fp16
+    kind = args.worker.split(":", 1)[1]  # alone, alone-interop, nocomm, none, bf16, fp16, bf16-pin
+    if kind.endswith("-pin"):
+        kind = kind[:-len("-pin")]  # FASTXFER_TF_PIN=1 came in the environment
     _threads_one(None if kind == "alone-interop" else 1)
     import keras
 
@@ -180,7 +184,8 @@ def _parse(stdout: str) -> list[list[float]]:
 def _run_fastxfer(args, kind: str, np_: int) -> list[list[float]]:
     cmd = [sys.executable, "-m", "fastxfer.cli", "run", "-np", str(np_), "--bind", "socket", "--",
            sys.executable, "-m", "fastxfer.bench.train", "--worker", f"fastxfer:{kind}"] + _worker_args(args)
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, cwd=tempfile.gettempdir())
+    env = dict(os.environ, **({"FASTXFER_TF_PIN": "1"} if kind.endswith("-pin") else {}))
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, cwd=tempfile.gettempdir(), env=env)
     res = _parse(r.stdout)
     if r.returncode != 0 or len(res) != np_:
         raise RuntimeError(f"fastxfer {kind} run failed (exit {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
@@ -248,7 +253,8 @@ def main(args: argparse.Namespace) -> int:
             ("alone, default inter-op threads", lambda: _run_fastxfer(args, "alone-interop", 1), 1),
             ("no-comm (2 independent workers)", lambda: _run_fastxfer(args, "nocomm", 2), 2),
             ("fastxfer none", lambda: _run_fastxfer(args, "none", 2), 2),
-            ("fastxfer bf16", lambda: _run_fastxfer(args, "bf16", 2), 2)]
+            ("fastxfer bf16", lambda: _run_fastxfer(args, "bf16", 2), 2),
+            ("fastxfer bf16, submits pinned", lambda: _run_fastxfer(args, "bf16-pin", 2), 2)]
     if not args.no_peers:
         if importlib.util.find_spec("tf_keras") is not None:
             plan.append(("MWMS (tf-keras)", lambda: _run_mwms(args), 2))

@@ -170,7 +170,7 @@ def _grouped(tensors, names, op, compression, prescale, postscale, order=None, b
             lambda x, name=name: np.int64(_submit("allreduce", x, name, op, compression, prescale, postscale, 0,
                                                   bucket_cap_mb)),
             [t], tf.int64, stateful=True, name="fastxfer_submit"))
-    if pin and _PIN:
+    if pin and _pin_enabled():
         _pin_to_backward(graph, [tensors[i] for i in order], [handles[i] for i in order], before)
     outs = tf.numpy_function(_wait_many, handles, [t.dtype for t in tensors], stateful=True, name="fastxfer_wait")
     outs = [outs] if not isinstance(outs, (list, tuple)) else list(outs)
@@ -179,7 +179,24 @@ def _grouped(tensors, names, op, compression, prescale, postscale, order=None, b
     return outs
 
 
-_PIN = os.environ.get("FASTXFER_TF_PIN", "1") != "0"
+def _pin_enabled() -> bool:
+    """FASTXFER_TF_PIN: 1 always pin submits into the backward pass, 0 never, auto (default) when
+    the engine has CPU time of its own -- this process may run on more CPUs than TensorFlow's
+    intra-op threads use, or the engine thread is pinned to cores (FASTXFER_ENGINE_CPUS). With no
+    spare core, an overlapped engine only time-slices with the backward pass on the same core and
+    pinning costs time (measured: bench/RESULTS.md)."""
+    mode = os.environ.get("FASTXFER_TF_PIN", "auto").strip().lower()
+    if mode in ("1", "true", "yes", "on"):
+        return True
+    if mode in ("0", "false", "no", "off"):
+        return False
+    if mode != "auto":
+        raise ValueError(f"FASTXFER_TF_PIN must be 1, 0 or auto, not {mode!r}")
+    if os.environ.get("FASTXFER_ENGINE_CPUS"):
+        return True
+    cpus = len(os.sched_getaffinity(0))
+    intra = tf.config.threading.get_intra_op_parallelism_threads() or cpus
+    return cpus > intra
 
 
 def _op_id(op) -> int:
