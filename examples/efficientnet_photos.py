@@ -19,10 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
+
+from _common import relaunch
 
 
 def parse(argv=None):
@@ -149,9 +150,7 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
-    cmd = [sys.executable, "-m", "fastxfer.cli", "run", "-np", str(args.workers), "--bind", "socket", "--",
-           sys.executable, os.path.abspath(__file__), "--worker"] + [a for a in sys.argv[1:] if a != "--worker"]
-    return subprocess.run(cmd, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}).returncode
+    return relaunch(__file__, args.workers)
 
 
 if __name__ == "__main__":

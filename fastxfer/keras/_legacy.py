@@ -27,28 +27,9 @@ class _LegacyMixin:
             reduced = _k3._reduce(s, grads, variables)
             return super().apply_gradients(list(zip(reduced, variables)), *args, **kwargs)
         accs = self._fastxfer_accumulators(variables)
-        for a, g in zip(accs, grads):
-            if g is not None:
-                a.assign_add(tf.convert_to_tensor(g))
-        self._fastxfer_passes.assign_add(1)
-        present = [g is not None for g in grads]
-
-        def reduce_and_apply():
-            scale = 1.0 / s.k if s.average_aggregated else 1.0
-            local = [tf.identity(a) * scale if p else None for a, p in zip(accs, present)]
-            super(_LegacyMixin, self).apply_gradients(list(zip(_k3._reduce(s, local, variables), variables)),
-                                                      *args, **kwargs)
-            for a in accs:
-                a.assign(tf.zeros_like(a))
-            return tf.constant(True)
-
-        if tf.executing_eagerly():
-            if int(self._fastxfer_passes.numpy()) % s.k == 0:
-                reduce_and_apply()
-        else:
-            graph = tf.compat.v1.get_default_graph()
-            _k3._ftf._chained(graph, lambda: tf.cond(tf.equal(self._fastxfer_passes % s.k, 0), reduce_and_apply,
-                                                     lambda: tf.constant(False)))
+        _k3.accumulate_and_apply(
+            s, self._fastxfer_passes, accs, grads, variables,
+            lambda reduced: super(_LegacyMixin, self).apply_gradients(list(zip(reduced, variables)), *args, **kwargs))
         return self.iterations
 
     def _fastxfer_accumulators(self, variables):

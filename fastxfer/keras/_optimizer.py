@@ -75,6 +75,35 @@ def _reduce(settings: _Settings, grads, variables):
                                  prefix="DistributedOptimizer")
 
 
+def accumulate_and_apply(settings: _Settings, passes, accs, grads, variables, apply) -> None:
+    """backward_passes_per_step: add `grads` to the local accumulators; on every k-th pass reduce
+    them across ranks and call ``apply(reduced_grads)``. The pass counter is the same on every
+    rank, so all ranks reduce on the same pass; in graph mode the decision is a tf.cond, chained
+    with the graph's other collectives (TensorFlow does not order a cond against host callbacks)."""
+    for a, g in zip(accs, grads):
+        if g is not None:
+            a.assign_add(tf.convert_to_tensor(g))
+    passes.assign_add(1)
+    present = [g is not None for g in grads]  # static: a None gradient stays None
+    k = settings.k
+
+    def reduce_and_apply():
+        scale = 1.0 / k if settings.average_aggregated else 1.0
+        local = [(tf.identity(a) * scale if scale != 1.0 else tf.identity(a)) if p else None
+                 for a, p in zip(accs, present)]
+        apply(_reduce(settings, local, variables))
+        for a in accs:
+            a.assign(tf.zeros_like(a))
+        return tf.constant(True)
+
+    if tf.executing_eagerly():
+        if int(passes.numpy()) % k == 0:
+            reduce_and_apply()
+        return
+    graph = tf.compat.v1.get_default_graph()
+    _ftf._chained(graph, lambda: tf.cond(tf.equal(passes % k, 0), reduce_and_apply, lambda: tf.constant(False)))
+
+
 def _called_from_foreign_loss_scaler(opt) -> bool:
     f = sys._getframe(1)
     while f is not None:
@@ -166,33 +195,9 @@ class _DistributedMixin:
         return self._fastxfer_apply_accumulated(grads, variables)
 
     def _fastxfer_apply_accumulated(self, grads, variables):
-        s = self._fastxfer
         accs = [self._fastxfer_acc[self._get_variable_index(v)] for v in variables]
-        for a, g in zip(accs, grads):
-            if g is not None:
-                a.assign_add(tf.convert_to_tensor(g))
-        self._fastxfer_passes.assign_add(1)
-        present = [g is not None for g in grads]  # static: a None gradient stays None
-
-        def reduce_and_apply():
-            scale = 1.0 / s.k if s.average_aggregated else 1.0
-            local = [(tf.identity(a) * scale if scale != 1.0 else tf.identity(a)) if p else None
-                     for a, p in zip(accs, present)]
-            super(_DistributedMixin, self).apply(_reduce(s, local, variables), variables)
-            for a in accs:
-                a.assign(tf.zeros_like(a))
-            return tf.constant(True)
-
-        if tf.executing_eagerly():
-            if int(self._fastxfer_passes.numpy()) % s.k == 0:
-                reduce_and_apply()
-            return None
-        # the cond holds collectives: order it after this graph's earlier collectives, and later
-        # ones after it (TensorFlow does not order a cond against other host callbacks)
-        graph = tf.compat.v1.get_default_graph()
-        _ftf._chained(graph, lambda: tf.cond(tf.equal(self._fastxfer_passes % s.k, 0), reduce_and_apply,
-                                             lambda: tf.constant(False)))
-        return None
+        accumulate_and_apply(self._fastxfer, self._fastxfer_passes, accs, grads, variables,
+                             lambda reduced: super(_DistributedMixin, self).apply(reduced, variables))
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
