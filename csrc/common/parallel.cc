@@ -1,5 +1,5 @@
-// Thread pool behind parallel_for. Workers sleep on a condition variable between calls; one
-// call at a time owns the pool (try_lock), which keeps the hand-off to a generation counter.
+// Thread pools: WorkerPool (workers sleep on a condition variable between calls; a generation
+// counter hands out each call) and the process-wide pool behind parallel_for.
 #include "common/parallel.h"
 
 #include <pthread.h>
@@ -7,12 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
 #include <cstdlib>
-#include <exception>
-#include <mutex>
-#include <thread>
-#include <vector>
 
 namespace fastxfer {
 
@@ -30,103 +25,100 @@ int default_threads() {
   return hc ? static_cast<int>(hc) : 1;
 }
 
-namespace {
-
-class ThreadPool {
- public:
-  static ThreadPool& instance() {
-    // Leaked on purpose: joining threads from a static destructor at interpreter exit can
-    // deadlock, and the OS reclaims them anyway.
-    static std::once_flag once;
-    std::call_once(once, [] {
-      current() = new ThreadPool();
-      // A forked child has none of the parent's workers (and maybe a mutex held by one of them):
-      // it starts a fresh pool, leaking the copied one.
-      pthread_atfork(nullptr, nullptr, [] { current() = new ThreadPool(); });
-    });
-    return *current();
+WorkerPool::~WorkerPool() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stop_ = true;
+    ++generation_;
   }
+  cv_.notify_all();
+  for (auto& t : workers_)
+    if (t.joinable()) t.join();
+}
 
-  std::mutex& owner() { return owner_; }
+void WorkerPool::run(int count, const std::function<void(int)>& task) {
+  if (count <= 1) {
+    if (count == 1) task(0);
+    return;
+  }
+  ensure_workers(count - 1);
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    task_ = &task;
+    pending_ = count - 1;
+    active_ = count - 1;
+    error_ = nullptr;
+    ++generation_;
+  }
+  cv_.notify_all();
+  std::exception_ptr caller_error;
+  try {
+    task(0);
+  } catch (...) {
+    caller_error = std::current_exception();
+  }
+  std::unique_lock<std::mutex> lk(mu_);
+  done_cv_.wait(lk, [&] { return pending_ == 0; });
+  task_ = nullptr;
+  if (caller_error) std::rethrow_exception(caller_error);
+  if (error_) std::rethrow_exception(error_);
+}
 
-  // Runs task(i) for i in [1, count) on workers and task(0) on the caller; returns when all
-  // are done. The caller must hold owner().
-  void run(int count, const std::function<void(int)>& task) {
-    ensure_workers(count - 1);
+void WorkerPool::ensure_workers(int n) {
+  while (static_cast<int>(workers_.size()) < n) {
+    int index = static_cast<int>(workers_.size()) + 1;  // task index this worker runs
+    uint64_t start;
     {
       std::lock_guard<std::mutex> lk(mu_);
-      task_ = &task;
-      pending_ = count - 1;
-      active_ = count - 1;
-      error_ = nullptr;
-      ++generation_;
+      start = generation_;  // a new worker must not take part in a finished generation
     }
-    cv_.notify_all();
-    std::exception_ptr caller_error;
+    workers_.emplace_back([this, index, start] { loop(index, start); });
+  }
+}
+
+void WorkerPool::loop(int index, uint64_t seen) {
+  for (;;) {
+    const std::function<void(int)>* task;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_.wait(lk, [&] { return generation_ != seen; });
+      seen = generation_;
+      if (stop_) return;
+      // Only the first `active_` workers take part in this generation.
+      if (index > active_) continue;
+      task = task_;
+    }
+    std::exception_ptr err;
     try {
-      task(0);
+      (*task)(index);
     } catch (...) {
-      caller_error = std::current_exception();
+      err = std::current_exception();
     }
-    std::unique_lock<std::mutex> lk(mu_);
-    done_cv_.wait(lk, [&] { return pending_ == 0; });
-    task_ = nullptr;
-    if (caller_error) std::rethrow_exception(caller_error);
-    if (error_) std::rethrow_exception(error_);
+    std::lock_guard<std::mutex> lk(mu_);
+    if (err && !error_) error_ = err;
+    if (--pending_ == 0) done_cv_.notify_one();
   }
+}
 
- private:
-  static ThreadPool*& current() {
-    static ThreadPool* pool = nullptr;
-    return pool;
-  }
+namespace {
 
-  void ensure_workers(int n) {
-    while (static_cast<int>(workers_.size()) < n) {
-      int index = static_cast<int>(workers_.size()) + 1;  // task index this worker runs
-      uint64_t start;
-      {
-        std::lock_guard<std::mutex> lk(mu_);
-        start = generation_;  // a new worker must not take part in a finished generation
-      }
-      workers_.emplace_back([this, index, start] { loop(index, start); });
-      workers_.back().detach();
-    }
-  }
+// The process-wide pool. Leaked on purpose: joining threads from a static destructor at
+// interpreter exit can deadlock, and the OS reclaims them anyway. A forked child has none of the
+// parent's workers (and maybe a mutex held by one of them): it starts a fresh pool, leaking the
+// copied one.
+WorkerPool*& global_slot() {
+  static WorkerPool* pool = nullptr;
+  return pool;
+}
 
-  void loop(int index, uint64_t seen) {
-    for (;;) {
-      const std::function<void(int)>* task;
-      {
-        std::unique_lock<std::mutex> lk(mu_);
-        cv_.wait(lk, [&] { return generation_ != seen; });
-        seen = generation_;
-        // Only the first `active_` workers take part in this generation.
-        if (index > active_) continue;
-        task = task_;
-      }
-      std::exception_ptr err;
-      try {
-        (*task)(index);
-      } catch (...) {
-        err = std::current_exception();
-      }
-      std::lock_guard<std::mutex> lk(mu_);
-      if (err && !error_) error_ = err;
-      if (--pending_ == 0) done_cv_.notify_one();
-    }
-  }
-
-  std::mutex owner_;
-  std::mutex mu_;
-  std::condition_variable cv_, done_cv_;
-  std::vector<std::thread> workers_;
-  const std::function<void(int)>* task_ = nullptr;
-  int pending_ = 0;
-  int active_ = 0;
-  uint64_t generation_ = 0;
-  std::exception_ptr error_;
-};
+WorkerPool& global_pool() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    global_slot() = new WorkerPool();
+    pthread_atfork(nullptr, nullptr, [] { global_slot() = new WorkerPool(); });
+  });
+  return *global_slot();
+}
 
 }  // namespace
 
@@ -142,7 +134,7 @@ void parallel_for(size_t n, int threads, size_t min_per_thread, size_t align,
     fn(0, n);
     return;
   }
-  ThreadPool& pool = ThreadPool::instance();
+  WorkerPool& pool = global_pool();
   std::unique_lock<std::mutex> own(pool.owner(), std::try_to_lock);
   if (!own.owns_lock()) {
     fn(0, n);

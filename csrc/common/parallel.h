@@ -1,13 +1,49 @@
 // A small persistent thread pool for splitting one memory-bound kernel call across cores.
 #pragma once
+#include <condition_variable>
 #include <cstddef>
+#include <cstdint>
+#include <exception>
 #include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
 
 namespace fastxfer {
 
 // Threads used when the caller passes threads <= 0: FASTXFER_THREADS if set, else the number of
 // CPUs in this process's affinity mask (so a numactl-bound worker does not oversubscribe).
 int default_threads();
+
+// Persistent worker threads that sleep on a condition variable between calls. run(count, task)
+// runs task(i) for i in [1, count) on workers and task(0) on the caller, and returns when all are
+// done, rethrowing the first exception. One run at a time (callers serialise on owner()).
+// Destroying the pool stops and joins its workers.
+class WorkerPool {
+ public:
+  WorkerPool() = default;
+  ~WorkerPool();
+  WorkerPool(const WorkerPool&) = delete;
+  WorkerPool& operator=(const WorkerPool&) = delete;
+
+  std::mutex& owner() { return owner_; }
+  void run(int count, const std::function<void(int)>& task);
+
+ private:
+  void ensure_workers(int n);
+  void loop(int index, uint64_t seen);
+
+  std::mutex owner_;
+  std::mutex mu_;
+  std::condition_variable cv_, done_cv_;
+  std::vector<std::thread> workers_;
+  const std::function<void(int)>* task_ = nullptr;
+  int pending_ = 0;
+  int active_ = 0;
+  bool stop_ = false;
+  uint64_t generation_ = 0;
+  std::exception_ptr error_;
+};
 
 // Runs fn(begin, end) over [0, n) split into at most `threads` contiguous ranges whose
 // boundaries are multiples of `align` elements (so no two threads share a cache line).

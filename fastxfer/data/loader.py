@@ -2,9 +2,18 @@
 
 Each epoch every rank draws the same permutation (seed, epoch) and takes every size-th record
 from it, truncated so all ranks get the same number of batches (ranks of a data-parallel job
-must step together). Images are decoded with libjpeg-turbo (simplejpeg, GIL released), shrunk in
-the DCT domain by 2/4/8 when the crop will be shrunk at least that much, then cropped and resized
-by the Numba kernel, in a pool of threads; a background thread keeps `prefetch` batches ready.
+must step together). Two decoders, the same images up to float rounding:
+
+- ``"native"`` (the default when available): the C++ core decodes only the crop's scanlines and
+  iMCU columns with libjpeg-turbo (the copy inside Pillow's wheel, opened at run time), shrunk in
+  the DCT domain by 2/4/8 when the crop will be shrunk at least that much, and streams the rows
+  into the resampler, which writes the normalised float32/bf16 batch slot; one call per batch, on
+  the decoder's own threads, without the GIL.
+- ``"numba"``: simplejpeg decodes the whole image (DCT-scaled the same way), and the Numba kernel
+  crops, resizes and normalises it, in a pool of Python threads. The reference, and the fallback
+  when the core was built without jpeglib.h.
+
+A background thread keeps `prefetch` batches ready.
 
 Bad records (checksum mismatch, undecodable, a colour space libjpeg-turbo cannot convert) never
 stop the loader and never get another record's label: the slot is filled with another image of
@@ -32,6 +41,47 @@ def _default_threads() -> int:
     if env:
         return max(1, int(env))
     return max(1, len(os.sched_getaffinity(0)))
+
+
+_MAX_PIXELS = 1 << 28  # 268 M pixels: larger images are rejected (decompression bombs)
+
+
+def libjpeg_path() -> str | None:
+    """The libjpeg-turbo shared library the native decoder opens: $FASTXFER_LIBJPEG, else the copy
+    bundled in Pillow's wheel, else the one the dynamic loader finds; None when there is none."""
+    env = os.environ.get("FASTXFER_LIBJPEG")
+    if env:
+        return env
+    import glob
+    import importlib.util
+
+    spec = importlib.util.find_spec("PIL")
+    if spec is not None and spec.origin:
+        site = os.path.dirname(os.path.dirname(spec.origin))
+        for pattern in ("pillow.libs/libjpeg*.so*", "PIL/.dylibs/libjpeg*.dylib", "Pillow.libs/libjpeg*.so*"):
+            hits = sorted(glob.glob(os.path.join(site, pattern)))
+            if hits:
+                return hits[0]
+    import ctypes.util
+
+    return ctypes.util.find_library("jpeg")
+
+
+def native_decoder_status() -> tuple[bool, str]:
+    """(usable, why): whether Loader(decoder="native") can run here."""
+    from fastxfer import _core
+
+    built, note = _core.jpeg_support()
+    if not built:
+        return False, note
+    path = libjpeg_path()
+    if not path:
+        return False, "no libjpeg-turbo found: install Pillow (its wheel bundles one) or set FASTXFER_LIBJPEG"
+    try:
+        _core.JpegBatchDecoder(path, 1)
+    except RuntimeError as e:
+        return False, str(e)
+    return True, path
 
 
 def decode(data, height: int, width: int, box: tuple[int, int, int, int], out_hw: tuple[int, int]):
@@ -75,7 +125,8 @@ class Loader:
                  mixup_alpha: float = 0.0, label_smoothing: float = 0.0, num_classes: int | None = None,
                  color_jitter: tuple[float, float, float] = (0.0, 0.0, 0.0), scale=(0.08, 1.0),
                  ratio=(3 / 4, 4 / 3), flip: bool = True, cache: bool = False, prefetch: int = 2,
-                 drop_last: bool | None = None, verify: bool = True, mean=K.IMAGENET_MEAN, std=K.IMAGENET_STD):
+                 drop_last: bool | None = None, verify: bool = True, mean=K.IMAGENET_MEAN, std=K.IMAGENET_STD,
+                 decoder: str = "auto", max_pixels: int = _MAX_PIXELS):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if dtype not in ("float32", "bfloat16"):
@@ -106,7 +157,25 @@ class Loader:
         self.std = np.asarray(std, np.float32)
         self.epoch = 0
         self.skipped = 0
-        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="fastxfer-loader")
+        if decoder not in ("auto", "native", "numba"):
+            raise ValueError(f"decoder must be 'auto', 'native' or 'numba', not {decoder!r}")
+        self.max_pixels = int(max_pixels)
+        self._native = None
+        self._pool = None
+        if decoder in ("auto", "native"):
+            usable, why = native_decoder_status()
+            if usable:
+                from fastxfer import _core
+
+                self._native = _core.JpegBatchDecoder(why, self.threads, self.max_pixels)
+            elif decoder == "native":
+                raise RuntimeError(f"the native JPEG decoder is not available: {why} (use decoder='numba')")
+            else:
+                warnings.warn(f"fastxfer.data: native JPEG decoder unavailable ({why}); using simplejpeg + Numba, "
+                              f"which is slower", RuntimeWarning, stacklevel=2)
+        self.decoder = "native" if self._native is not None else "numba"
+        if self._native is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="fastxfer-loader")
         self._scratch = threading.local()  # per-thread resize buffer, reused across images
 
     # -- which records, in which order ------------------------------------------------------------
@@ -134,18 +203,23 @@ class Loader:
         off, n = int(rec["offset"]), int(rec["size"])
         return memoryview(self._blob)[off:off + n]
 
-    def _one(self, i: int, slot: np.ndarray) -> bool:
-        """Decode + augment record i into slot; False if the record is bad."""
+    def _params(self, i: int):
+        """(box, flip, (brightness, contrast, saturation)) of record i this epoch: from a generator
+        seeded by (seed, epoch, rank, i), the same whichever decoder runs."""
+        h, w = int(self.ds.heights[i]), int(self.ds.widths[i])
+        if not self.train:
+            return K.center_crop_box(h, w), False, (1.0, 1.0, 1.0)
         rng = K.image_rng(self.seed, self.epoch, self.rank, int(i))
+        box = K.sample_rrc(rng, h, w, self.scale, self.ratio)
+        flip = bool(self.flip and rng.random() < 0.5)
+        jitter = tuple(float(rng.uniform(max(0, 1 - j), 1 + j)) if j > 0 else 1.0 for j in self.color_jitter)
+        return box, flip, jitter
+
+    def _one(self, i: int, slot: np.ndarray) -> bool:
+        """Decode + augment record i into slot with simplejpeg + Numba; False if the record is bad."""
         h, w = int(self.ds.heights[i]), int(self.ds.widths[i])
         s = self.image_size
-        if self.train:
-            box = K.sample_rrc(rng, h, w, self.scale, self.ratio)
-            flip = bool(self.flip and rng.random() < 0.5)
-            b, c, sat = (float(rng.uniform(max(0, 1 - j), 1 + j)) if j > 0 else 1.0 for j in self.color_jitter)
-        else:
-            box = K.center_crop_box(h, w)
-            flip, b, c, sat = False, 1.0, 1.0, 1.0
+        box, flip, (b, c, sat) = self._params(i)
         try:
             img, box2 = decode(self._record(i), h, w, box, (s, s))
         except Exception as e:  # noqa: BLE001 - any decode failure means: this record is bad
@@ -158,12 +232,51 @@ class Loader:
         K.crop_resize_normalize_scratch(img, *box2, slot, flip, b, c, sat, self.mean, self.std, scratch)
         return True
 
+    def _native_batch(self, idx: np.ndarray, images: np.ndarray) -> list[bool]:
+        n = len(idx)
+        boxes = np.empty((n, 4), np.int32)
+        flips = np.zeros(n, np.uint8)
+        jitter = np.ones((n, 3), np.float32)
+        records = []
+        bad = {}
+        for k, i in enumerate(idx):
+            boxes[k], flips[k], jitter[k] = self._params(int(i))
+            try:
+                records.append(self._record(int(i)))
+            except Exception as e:  # noqa: BLE001 - a checksum mismatch: this record is bad
+                bad[k] = f"record {int(i)}: {e}"
+                records.append(b"")
+        errors = self._native.decode_batch(records, self.ds.heights[idx].astype(np.int32),
+                                           self.ds.widths[idx].astype(np.int32), boxes, flips, jitter,
+                                           self.mean, self.std, images)
+        ok = []
+        for k, e in enumerate(errors):
+            if k in bad:
+                self._last_error = bad[k]
+                ok.append(False)
+            elif e:
+                self._last_error = f"record {int(idx[k])}: {e}"
+                ok.append(False)
+            else:
+                ok.append(True)
+        return ok
+
     def batch(self, b: int) -> tuple[np.ndarray, np.ndarray]:
         """Batch number b of the current epoch (random access: the same call gives the same batch)."""
         idx = self.indices()[b * self.batch_size:(b + 1) * self.batch_size]
         n, s = len(idx), self.image_size
-        images = np.empty((n, s, s, 3), np.float32)
-        ok = list(self._pool.map(lambda k: self._one(idx[k], images[k]), range(n)))
+        # bf16 straight from the kernel, unless mixup still has to blend in float32
+        native_bf16 = self.dtype == "bfloat16" and self._native is not None and self.mixup_alpha <= 0
+        if native_bf16:
+            import ml_dtypes
+
+            images = np.empty((n, s, s, 3), ml_dtypes.bfloat16)
+        else:
+            images = np.empty((n, s, s, 3), np.float32)
+        if self._native is not None:
+            ok = self._native_batch(idx, images)
+        else:
+            ok = list(self._pool.map(lambda k: self._one(idx[k], images[k]), range(n)))
         labels = self.ds.labels[idx].astype(np.int32)
         good = [k for k in range(n) if ok[k]]
         if len(good) < n:
@@ -182,7 +295,7 @@ class Loader:
         if self.mixup_alpha > 0 or self.label_smoothing > 0:
             mrng = np.random.default_rng(np.random.SeedSequence([self.seed, self.epoch, self.rank, b, 1]))
             images, targets = K.mixup(images, labels, self.num_classes, self.mixup_alpha, self.label_smoothing, mrng)
-        if self.dtype == "bfloat16":
+        if self.dtype == "bfloat16" and not native_bf16:
             import fastxfer as fx
 
             images = fx.compress(images, "bf16")
@@ -260,7 +373,9 @@ class Loader:
             gen, output_signature=(tf.TensorSpec((None, s, s, 3), img_dtype), label_spec))
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        self._native = None
         self.ds.close()
 
     def __del__(self):

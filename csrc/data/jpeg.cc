@@ -1,0 +1,307 @@
+#include "data/jpeg.h"
+
+#include <atomic>
+#include <cmath>
+#include <csetjmp>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <stdexcept>
+
+#include "common/parallel.h"
+
+#if FASTXFER_HAVE_JPEGLIB
+#include <dlfcn.h>
+extern "C" {
+#include <jpeglib.h>
+}
+#if JPEG_LIB_VERSION != 62
+#undef FASTXFER_HAVE_JPEGLIB
+#define FASTXFER_HAVE_JPEGLIB 0
+#define FASTXFER_JPEG_ABI_NOTE "the jpeglib.h found at build time has the libjpeg ABI " \
+  "version " FASTXFER_STR(JPEG_LIB_VERSION) ", but Pillow's libjpeg-turbo has version 62"
+#endif
+#endif
+
+#define FASTXFER_STR2(x) #x
+#define FASTXFER_STR(x) FASTXFER_STR2(x)
+
+namespace fastxfer {
+namespace data {
+
+#if !FASTXFER_HAVE_JPEGLIB
+
+bool jpeg_support_built() { return false; }
+std::string jpeg_support_note() {
+#ifdef FASTXFER_JPEG_ABI_NOTE
+  return FASTXFER_JPEG_ABI_NOTE;
+#else
+  return "fastxfer was built without jpeglib.h (install libjpeg-turbo's headers, e.g. Debian's "
+         "libjpeg62-turbo-dev, and reinstall fastxfer)";
+#endif
+}
+
+class JpegLibrary {};
+struct BatchDecoder::Worker {};
+struct BatchDecoder::Pool {};
+
+BatchDecoder::BatchDecoder(const std::string&, int, int64_t) { throw std::runtime_error(jpeg_support_note()); }
+BatchDecoder::~BatchDecoder() = default;
+const std::string& BatchDecoder::library_path() const { throw std::runtime_error(jpeg_support_note()); }
+std::vector<std::string> BatchDecoder::decode_batch(const std::vector<JpegImage>&, int, int, const float*,
+                                                    const float*, void*, OutType) {
+  throw std::runtime_error(jpeg_support_note());
+}
+
+#else  // FASTXFER_HAVE_JPEGLIB
+
+bool jpeg_support_built() { return true; }
+std::string jpeg_support_note() { return "built with jpeglib.h (libjpeg ABI 62)"; }
+
+// The functions fastxfer calls, looked up in the library opened at run time. The types come from
+// jpeglib.h; `decltype(&f)` only names them, so nothing links against a system libjpeg.
+class JpegLibrary {
+ public:
+  explicit JpegLibrary(const std::string& path) : path_(path) {
+    handle_ = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (!handle_) {
+      const char* e = dlerror();
+      throw std::runtime_error("cannot open libjpeg-turbo at '" + path + "': " + (e ? e : "unknown error"));
+    }
+    try {
+      bind(std_error, "jpeg_std_error");
+      bind(create_decompress, "jpeg_CreateDecompress");
+      bind(destroy_decompress, "jpeg_destroy_decompress");
+      bind(mem_src, "jpeg_mem_src");
+      bind(read_header, "jpeg_read_header");
+      bind(start_decompress, "jpeg_start_decompress");
+      bind(read_scanlines, "jpeg_read_scanlines");
+      bind(abort_decompress, "jpeg_abort_decompress");
+      bind(crop_scanline, "jpeg_crop_scanline");   // libjpeg-turbo >= 1.5 only
+      bind(skip_scanlines, "jpeg_skip_scanlines");
+    } catch (...) {
+      dlclose(handle_);
+      throw;
+    }
+  }
+  ~JpegLibrary() { dlclose(handle_); }
+  const std::string& path() const { return path_; }
+
+  decltype(&::jpeg_std_error) std_error = nullptr;
+  decltype(&::jpeg_CreateDecompress) create_decompress = nullptr;
+  decltype(&::jpeg_destroy_decompress) destroy_decompress = nullptr;
+  decltype(&::jpeg_mem_src) mem_src = nullptr;
+  decltype(&::jpeg_read_header) read_header = nullptr;
+  decltype(&::jpeg_start_decompress) start_decompress = nullptr;
+  decltype(&::jpeg_read_scanlines) read_scanlines = nullptr;
+  decltype(&::jpeg_abort_decompress) abort_decompress = nullptr;
+  decltype(&::jpeg_crop_scanline) crop_scanline = nullptr;
+  decltype(&::jpeg_skip_scanlines) skip_scanlines = nullptr;
+
+ private:
+  template <class F>
+  void bind(F& fn, const char* name) {
+    void* p = dlsym(handle_, name);
+    if (!p)
+      throw std::runtime_error("'" + path_ + "' has no " + name + ": it is not libjpeg-turbo 1.5 or newer");
+    fn = reinterpret_cast<F>(p);
+  }
+  std::string path_;
+  void* handle_ = nullptr;
+};
+
+namespace {
+
+// libjpeg reports errors by calling error_exit, which must not return: it longjmps back to the
+// decode call. Warnings (corrupt data that libjpeg would paper over with grey) are errors too.
+struct ErrorManager {
+  jpeg_error_mgr pub;
+  jmp_buf jump;
+  char message[JMSG_LENGTH_MAX + 64];
+};
+
+void on_error(j_common_ptr c) {
+  auto* e = reinterpret_cast<ErrorManager*>(c->err);
+  (*c->err->format_message)(c, e->message);
+  longjmp(e->jump, 1);
+}
+
+void on_message(j_common_ptr c, int level) {
+  if (level < 0) on_error(c);  // a warning: the image is damaged
+}
+
+[[noreturn]] void fail(ErrorManager* e, const char* text) {
+  std::snprintf(e->message, sizeof(e->message), "%s", text);
+  longjmp(e->jump, 1);
+}
+
+// Feeds the resampler from libjpeg's scanlines: skips ahead (entropy decoding only) to the first
+// row asked for, and has libjpeg write each row straight into the resampler's ring slot.
+class JpegRows : public RowSource {
+ public:
+  JpegRows(JpegLibrary* lib, jpeg_decompress_struct* c, ErrorManager* err) : lib_(lib), c_(c), err_(err) {}
+  void start(size_t line_pixels, int col0, bool cmyk) {
+    line_pixels_ = line_pixels;
+    col0_ = col0;
+    cmyk_ = cmyk;
+  }
+  size_t slot_bytes() const override { return line_pixels_ * 4; }
+  int slot_offset() const override { return col0_; }
+
+  void read_row(int row, uint8_t* slot) override {
+    const int at = static_cast<int>(c_->output_scanline);
+    if (at < row) lib_->skip_scanlines(c_, static_cast<JDIMENSION>(row - at));
+    if (static_cast<int>(c_->output_scanline) != row) fail(err_, "cannot seek to the crop's first row");
+    JSAMPROW r = slot;
+    if (lib_->read_scanlines(c_, &r, 1) != 1) fail(err_, "the JPEG data ended early");
+    if (cmyk_) {  // Adobe CMYK as libjpeg delivers it (inverted): R = C*K/255 (truncated), and so on
+      for (size_t i = 0; i < line_pixels_; ++i) {
+        uint8_t* p = slot + 4 * i;
+        const unsigned k = p[3];
+        p[0] = static_cast<uint8_t>(p[0] * k / 255u);
+        p[1] = static_cast<uint8_t>(p[1] * k / 255u);
+        p[2] = static_cast<uint8_t>(p[2] * k / 255u);
+      }
+    }
+  }
+
+ private:
+  JpegLibrary* lib_;
+  jpeg_decompress_struct* c_;
+  ErrorManager* err_;
+  size_t line_pixels_ = 0;
+  int col0_ = 0;
+  bool cmyk_ = false;
+};
+
+}  // namespace
+
+struct BatchDecoder::Worker {
+  explicit Worker(JpegLibrary* lib) : lib_(lib), rows_(lib, &cinfo_, &err_) {
+    std::memset(&cinfo_, 0, sizeof(cinfo_));
+    cinfo_.err = lib_->std_error(&err_.pub);
+    err_.pub.error_exit = on_error;
+    err_.pub.emit_message = on_message;
+    if (setjmp(err_.jump)) {
+      create_error_ = std::string("libjpeg-turbo refused to start a decoder: ") + err_.message;
+      return;
+    }
+    // The library checks the ABI version and the struct size we were compiled with.
+    lib_->create_decompress(&cinfo_, JPEG_LIB_VERSION, sizeof(cinfo_));
+    created_ = true;
+  }
+  ~Worker() {
+    if (created_) lib_->destroy_decompress(&cinfo_);
+  }
+  const std::string& create_error() const { return create_error_; }
+
+  // Decodes `im` into out; returns nullptr or the reason it failed (valid until the next call).
+  const char* decode(const JpegImage& im, int oh, int ow, const float mean[3], const float std_[3], void* out,
+                     OutType out_type, int64_t max_pixels) {
+    if (!created_) return create_error_.c_str();
+    // No object with a destructor may live in this frame past setjmp (longjmp skips destructors).
+    if (setjmp(err_.jump)) {
+      lib_->abort_decompress(&cinfo_);
+      return err_.message;
+    }
+    lib_->abort_decompress(&cinfo_);  // in case an exception left the previous image half done
+    lib_->mem_src(&cinfo_, im.data, static_cast<unsigned long>(im.size));
+    lib_->read_header(&cinfo_, TRUE);
+    const int H = static_cast<int>(cinfo_.image_height), W = static_cast<int>(cinfo_.image_width);
+    if (H != im.height || W != im.width) {
+      std::snprintf(err_.message, sizeof(err_.message),
+                    "the JPEG header says %dx%d (WxH) but the dataset index says %dx%d", W, H, im.width, im.height);
+      longjmp(err_.jump, 1);
+    }
+    if (static_cast<int64_t>(H) * W > max_pixels) {
+      std::snprintf(err_.message, sizeof(err_.message), "the image is %dx%d = %lld pixels, over the limit of %lld",
+                    W, H, static_cast<long long>(H) * W, static_cast<long long>(max_pixels));
+      longjmp(err_.jump, 1);
+    }
+    const bool cmyk = cinfo_.jpeg_color_space == JCS_CMYK || cinfo_.jpeg_color_space == JCS_YCCK;
+    cinfo_.out_color_space = cmyk ? JCS_CMYK : JCS_EXT_RGBX;  // grayscale expands to RGBX too
+    // DCT-domain shrinking by the largest of 8/4/2 that leaves the crop at least the output size.
+    int factor = 1;
+    for (int f : {8, 4, 2}) {
+      if (im.h / f >= oh && im.w / f >= ow) {
+        factor = f;
+        break;
+      }
+    }
+    cinfo_.scale_num = 1;
+    cinfo_.scale_denom = static_cast<unsigned>(factor);
+    cinfo_.dct_method = JDCT_ISLOW;
+    cinfo_.do_fancy_upsampling = TRUE;
+    lib_->start_decompress(&cinfo_);
+    const int H2 = static_cast<int>(cinfo_.output_height), W2 = static_cast<int>(cinfo_.output_width);
+    // The crop box in the decoded image's pixels (as loader.decode() maps it).
+    const double sy = static_cast<double>(H2) / H, sx = static_cast<double>(W2) / W;
+    const int y2 = static_cast<int>(im.y * sy), x2 = static_cast<int>(im.x * sx);
+    const int h2 = std::max(1, std::min(H2 - y2, static_cast<int>(std::nearbyint(im.h * sy))));
+    const int w2 = std::max(1, std::min(W2 - x2, static_cast<int>(std::nearbyint(im.w * sx))));
+    if (y2 < 0 || x2 < 0 || y2 >= H2 || x2 >= W2) fail(&err_, "the crop box lies outside the image");
+    JDIMENSION xoff = static_cast<JDIMENSION>(x2), cw = static_cast<JDIMENSION>(w2);
+    lib_->crop_scanline(&cinfo_, &xoff, &cw);  // widens to whole iMCU columns
+    if (cinfo_.output_components != 4) fail(&err_, "unexpected number of output components");
+    rows_.start(cw, x2 - static_cast<int>(xoff), cmyk);
+    resampler_.run(rows_, y2, x2, h2, w2, oh, ow, im.aug, mean, std_, out, out_type);
+    lib_->abort_decompress(&cinfo_);  // the rows below the crop are never decoded
+    return nullptr;
+  }
+
+ private:
+  JpegLibrary* lib_;
+  jpeg_decompress_struct cinfo_;
+  ErrorManager err_;
+  bool created_ = false;
+  std::string create_error_;
+  JpegRows rows_;
+  Resampler resampler_;
+};
+
+struct BatchDecoder::Pool {
+  WorkerPool pool;
+};
+
+BatchDecoder::BatchDecoder(const std::string& library_path, int threads, int64_t max_pixels)
+    : lib_(std::make_shared<JpegLibrary>(library_path)),
+      threads_(threads > 0 ? threads : default_threads()),
+      max_pixels_(max_pixels),
+      pool_(std::make_unique<Pool>()) {
+  for (int i = 0; i < threads_; ++i) {
+    workers_.push_back(std::make_unique<Worker>(lib_.get()));
+    if (!workers_.back()->create_error().empty()) throw std::runtime_error(workers_.back()->create_error());
+  }
+}
+
+BatchDecoder::~BatchDecoder() {
+  pool_.reset();  // stop the threads before their decoders go
+  workers_.clear();
+}
+
+const std::string& BatchDecoder::library_path() const { return lib_->path(); }
+
+std::vector<std::string> BatchDecoder::decode_batch(const std::vector<JpegImage>& images, int out_h, int out_w,
+                                                    const float mean[3], const float std_[3], void* out,
+                                                    OutType out_type) {
+  std::vector<std::string> errors(images.size());
+  if (images.empty()) return errors;
+  const size_t slot_bytes =
+      static_cast<size_t>(out_h) * out_w * 3 * (out_type == OutType::kFloat32 ? sizeof(float) : sizeof(uint16_t));
+  std::lock_guard<std::mutex> own(pool_->pool.owner());
+  std::atomic<size_t> next{0};
+  const int count = static_cast<int>(std::min<size_t>(static_cast<size_t>(threads_), images.size()));
+  pool_->pool.run(count, [&](int t) {
+    Worker& w = *workers_[t];
+    for (size_t i; (i = next.fetch_add(1)) < images.size();) {
+      void* slot = static_cast<uint8_t*>(out) + i * slot_bytes;
+      if (const char* e = w.decode(images[i], out_h, out_w, mean, std_, slot, out_type, max_pixels_)) errors[i] = e;
+    }
+  });
+  return errors;
+}
+
+#endif  // FASTXFER_HAVE_JPEGLIB
+
+}  // namespace data
+}  // namespace fastxfer

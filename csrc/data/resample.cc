@@ -1,0 +1,306 @@
+#include "data/resample.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "compress/compress.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define FASTXFER_RESAMPLE_AVX512 1
+#define FASTXFER_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+#else
+#define FASTXFER_RESAMPLE_AVX512 0
+#endif
+
+namespace fastxfer {
+namespace data {
+
+namespace {
+
+typedef float v4f __attribute__((vector_size(16)));
+
+inline v4f load4(const float* p) {
+  v4f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store4(float* p, v4f v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline uint16_t to_bf16(float f) {  // round to nearest even (no NaN can reach here)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline double clamp255(double v) { return std::min(std::max(v, 0.0), 255.0); }
+
+// ---- the three row kernels, written once and compiled twice (portable and AVX-512) -------------
+// Each does the same float operations in the same order on every path.
+
+// acc[j] = sum_k w[k] * rows[k][j] for j < len (rows are bytes).
+__attribute__((always_inline)) inline void vertical_body(float* __restrict acc, const uint8_t* const* rows,
+                                                         const float* w, int n, size_t len) {
+  const uint8_t* __restrict r0 = rows[0];
+  const float w0 = w[0];
+  for (size_t j = 0; j < len; ++j) acc[j] = w0 * static_cast<float>(r0[j]);
+  for (int k = 1; k < n; ++k) {
+    const uint8_t* __restrict r = rows[k];
+    const float wk = w[k];
+    for (size_t j = 0; j < len; ++j) acc[j] += wk * static_cast<float>(r[j]);
+  }
+}
+
+// hrow[4x + c] = sum_k w(x, k) * acc[fx[x] + 4k + c] over `groups` groups of 4 output pixels; the
+// weights are laid out per group: w4[((g * kx + k) * 4 + p) * 4 + c] for pixel 4g + p.
+__attribute__((always_inline)) inline void horizontal_body(float* __restrict hrow, const float* __restrict acc,
+                                                           const int32_t* fx, const float* w4, int kx, int groups) {
+  for (int g = 0; g < groups; ++g) {
+    for (int p = 0; p < 4; ++p) {
+      const int x = 4 * g + p;
+      const float* a = acc + fx[x];
+      const float* w = w4 + (static_cast<size_t>(g) * kx * 4 + p) * 4;
+      v4f v = load4(a) * load4(w);
+      for (int k = 1; k < kx; ++k) v += load4(a + 4 * k) * load4(w + 16 * k);
+      store4(hrow + 4 * x, v);
+    }
+  }
+}
+
+// One output row: brightness, clamp to [0, 255], then (normalise) v * sc - off, RGBX -> RGB, and
+// mirrored when `flip`.
+__attribute__((always_inline)) inline void finish_pixel(float* dst, const float* h, v4f bright, v4f sc, v4f off,
+                                                        bool normalise) {
+  const v4f zero = {0.0f, 0.0f, 0.0f, 0.0f}, top = {255.0f, 255.0f, 255.0f, 255.0f};
+  v4f v = load4(h) * bright;
+  v = v > zero ? v : zero;
+  v = v < top ? v : top;
+  if (normalise) v = v * sc - off;
+  dst[0] = v[0];
+  dst[1] = v[1];
+  dst[2] = v[2];
+}
+
+void vertical_portable(float* acc, const uint8_t* const* rows, const float* w, int n, size_t len) {
+  vertical_body(acc, rows, w, n, len);
+}
+void horizontal_portable(float* hrow, const float* acc, const int32_t* fx, const float* w4, int kx, int groups) {
+  horizontal_body(hrow, acc, fx, w4, kx, groups);
+}
+void finish_portable(float* dst, const float* hrow, int ow, bool flip, v4f bright, v4f sc, v4f off, bool normalise) {
+  for (int x = 0; x < ow; ++x) finish_pixel(dst + 3 * (flip ? ow - 1 - x : x), hrow + 4 * x, bright, sc, off, normalise);
+}
+
+#if FASTXFER_RESAMPLE_AVX512
+FASTXFER_AVX512_TARGET void vertical_avx512(float* acc, const uint8_t* const* rows, const float* w, int n,
+                                            size_t len) {
+  vertical_body(acc, rows, w, n, len);
+}
+
+// Four output pixels per 512-bit register: each tap gathers four 16-byte pixels.
+FASTXFER_AVX512_TARGET void horizontal_avx512(float* hrow, const float* acc, const int32_t* fx, const float* w4,
+                                              int kx, int groups) {
+  for (int g = 0; g < groups; ++g) {
+    const float* a0 = acc + fx[4 * g];
+    const float* a1 = acc + fx[4 * g + 1];
+    const float* a2 = acc + fx[4 * g + 2];
+    const float* a3 = acc + fx[4 * g + 3];
+    const float* w = w4 + static_cast<size_t>(g) * kx * 16;
+    __m512 v = _mm512_setzero_ps();
+    for (int k = 0; k < kx; ++k) {
+      __m512 p = _mm512_castps128_ps512(_mm_loadu_ps(a0 + 4 * k));
+      p = _mm512_insertf32x4(p, _mm_loadu_ps(a1 + 4 * k), 1);
+      p = _mm512_insertf32x4(p, _mm_loadu_ps(a2 + 4 * k), 2);
+      p = _mm512_insertf32x4(p, _mm_loadu_ps(a3 + 4 * k), 3);
+      const __m512 prod = _mm512_mul_ps(p, _mm512_loadu_ps(w + 16 * k));
+      v = k == 0 ? prod : _mm512_add_ps(v, prod);
+    }
+    _mm512_storeu_ps(hrow + 16 * g, v);
+  }
+}
+
+FASTXFER_AVX512_TARGET void finish_avx512(float* dst, const float* hrow, int ow, bool flip, v4f bright4, v4f sc4,
+                                          v4f off4, bool normalise) {
+  const __m512 bright = _mm512_broadcast_f32x4(reinterpret_cast<__m128>(bright4));
+  const __m512 sc = _mm512_broadcast_f32x4(reinterpret_cast<__m128>(sc4));
+  const __m512 off = _mm512_broadcast_f32x4(reinterpret_cast<__m128>(off4));
+  const __m512 zero = _mm512_setzero_ps(), top = _mm512_set1_ps(255.0f);
+  // RGBX x4 -> RGB x4, in order or mirrored
+  const __m512i keep = _mm512_setr_epi32(0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, 0, 0, 0, 0);
+  const __m512i mirror = _mm512_setr_epi32(12, 13, 14, 8, 9, 10, 4, 5, 6, 0, 1, 2, 0, 0, 0, 0);
+  const __m512i order = flip ? mirror : keep;
+  const int full = ow / 4 * 4;
+  for (int x = 0; x < full; x += 4) {
+    __m512 v = _mm512_mul_ps(_mm512_loadu_ps(hrow + 4 * x), bright);
+    v = _mm512_min_ps(_mm512_max_ps(v, zero), top);
+    if (normalise) v = _mm512_sub_ps(_mm512_mul_ps(v, sc), off);
+    const int at = flip ? ow - 4 - x : x;
+    _mm512_mask_storeu_ps(dst + 3 * at, 0x0FFF, _mm512_permutexvar_ps(order, v));
+  }
+  for (int x = full; x < ow; ++x)
+    finish_pixel(dst + 3 * (flip ? ow - 1 - x : x), hrow + 4 * x, bright4, sc4, off4, normalise);
+}
+#endif
+
+bool use_avx512() {
+#if FASTXFER_RESAMPLE_AVX512
+  return active_simd_level() >= SimdLevel::kAvx512;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+void make_taps(int start, int length, int out_len, Taps* t) {
+  // Same arithmetic as kernels._weights: float64 geometry, float32 weights normalised by the
+  // float64 sum of the unrounded ones.
+  const double scale = static_cast<double>(length) / out_len;
+  const double fscale = std::max(scale, 1.0);
+  const double support = fscale;
+  const int kmax = static_cast<int>(std::ceil(support)) * 2 + 1;
+  t->out_len = out_len;
+  t->taps = kmax;
+  t->first.assign(out_len, 0);
+  t->count.assign(out_len, 0);
+  t->w.assign(static_cast<size_t>(out_len) * kmax, 0.0f);
+  const int end = start + length;
+  for (int o = 0; o < out_len; ++o) {
+    const double center = start + (o + 0.5) * scale;
+    const int lo = std::max(static_cast<int>(center - support + 0.5), start);
+    const int hi = std::min(static_cast<int>(center + support + 0.5), end);
+    const int n = std::max(0, std::min(hi - lo, kmax));
+    float* w = &t->w[static_cast<size_t>(o) * kmax];
+    double total = 0.0;
+    for (int k = 0; k < n; ++k) {
+      double v = 1.0 - std::fabs((lo + k - center + 0.5) / fscale);
+      if (v < 0.0) v = 0.0;
+      w[k] = static_cast<float>(v);
+      total += v;
+    }
+    if (total > 0.0)
+      for (int k = 0; k < n; ++k) w[k] = static_cast<float>(static_cast<double>(w[k]) / total);
+    t->first[o] = lo;
+    t->count[o] = n;
+  }
+  // Keep only as many taps per output as the widest one uses (the rest are zero weights).
+  int used = 1;
+  for (int o = 0; o < out_len; ++o) used = std::max(used, t->count[o]);
+  if (used < kmax) {
+    for (int o = 0; o < out_len; ++o)
+      std::memmove(&t->w[static_cast<size_t>(o) * used], &t->w[static_cast<size_t>(o) * kmax], used * sizeof(float));
+    t->w.resize(static_cast<size_t>(out_len) * used);
+    t->taps = used;
+  }
+}
+
+void U8Rows::read_row(int row, uint8_t* slot) {
+  const uint8_t* p = data_ + (static_cast<size_t>(row) * width_ + x0_) * channels_;
+  if (channels_ == 4) {
+    std::memcpy(slot, p, static_cast<size_t>(cw_) * 4);
+    return;
+  }
+  const int g = channels_ >= 3;
+  for (int i = 0; i < cw_; ++i) {
+    const uint8_t* q = p + static_cast<size_t>(i) * channels_;
+    slot[4 * i] = q[0];
+    slot[4 * i + 1] = q[g];
+    slot[4 * i + 2] = q[2 * g];
+    slot[4 * i + 3] = 0;
+  }
+}
+
+void Resampler::run(RowSource& src, int y0, int x0, int ch, int cw, int oh, int ow, const Augment& aug,
+                    const float mean[3], const float std_[3], void* out, OutType out_type) {
+  const bool wide = use_avx512();
+  make_taps(y0, ch, oh, &ty_);
+  make_taps(x0, cw, ow, &tx_);
+  const int ring_rows = ty_.taps;
+  const size_t slot = src.slot_bytes();
+  const size_t skip = static_cast<size_t>(src.slot_offset()) * 4;
+  const size_t row_floats = static_cast<size_t>(cw) * 4;
+  ring_.resize(ring_rows * slot);
+  row_ptr_.resize(ring_rows);
+  acc_.resize(row_floats);
+  // Horizontal taps: output pixels padded to whole groups of 4 (padding pixels read pixel 0 with
+  // weight 0 and are never written out), weights repeated over the 4 lanes of a pixel.
+  const int kx = tx_.taps;
+  const int groups = (ow + 3) / 4;
+  fx_.assign(static_cast<size_t>(groups) * 4, 0);
+  wx4_.assign(static_cast<size_t>(groups) * kx * 16, 0.0f);
+  for (int x = 0; x < ow; ++x) {
+    fx_[x] = (tx_.first[x] - x0) * 4;
+    for (int k = 0; k < kx; ++k) {
+      float* w = &wx4_[((static_cast<size_t>(x / 4) * kx + k) * 4 + x % 4) * 4];
+      w[0] = w[1] = w[2] = w[3] = tx_.w[static_cast<size_t>(x) * kx + k];
+    }
+  }
+  hrow_.resize(static_cast<size_t>(groups) * 16);
+
+  const bool simple = aug.contrast == 1.0f && aug.saturation == 1.0f;
+  float sc[3], off[3];
+  for (int c = 0; c < 3; ++c) {
+    sc[c] = 1.0f / (255.0f * std_[c]);
+    off[c] = mean[c] / std_[c];
+  }
+  const v4f bright4 = {aug.brightness, aug.brightness, aug.brightness, aug.brightness};
+  const v4f sc4 = {sc[0], sc[1], sc[2], 0.0f}, off4 = {off[0], off[1], off[2], 0.0f};
+  // Rows go straight to a float32 output; bf16 and colour jitter go through pix_ first.
+  const bool direct = simple && out_type == OutType::kFloat32;
+  if (!direct) pix_.resize(static_cast<size_t>(oh) * ow * 3);
+  float* out_f = static_cast<float*>(out);
+  uint16_t* out_h = static_cast<uint16_t*>(out);
+
+  int next_row = ty_.first[0];
+  for (int o = 0; o < oh; ++o) {
+    const int lo = ty_.first[o], n = ty_.count[o];
+    for (; next_row < lo + n; ++next_row) src.read_row(next_row, &ring_[(next_row % ring_rows) * slot]);
+    for (int k = 0; k < n; ++k) row_ptr_[k] = &ring_[((lo + k) % ring_rows) * slot] + skip;
+    const float* wy = &ty_.w[static_cast<size_t>(o) * ty_.taps];
+    float* dst = (direct ? out_f : pix_.data()) + static_cast<size_t>(o) * ow * 3;
+#if FASTXFER_RESAMPLE_AVX512
+    if (wide) {
+      vertical_avx512(acc_.data(), row_ptr_.data(), wy, n, row_floats);
+      horizontal_avx512(hrow_.data(), acc_.data(), fx_.data(), wx4_.data(), kx, groups);
+      finish_avx512(dst, hrow_.data(), ow, aug.flip, bright4, sc4, off4, simple);
+      continue;
+    }
+#endif
+    vertical_portable(acc_.data(), row_ptr_.data(), wy, n, row_floats);
+    horizontal_portable(hrow_.data(), acc_.data(), fx_.data(), wx4_.data(), kx, groups);
+    finish_portable(dst, hrow_.data(), ow, aug.flip, bright4, sc4, off4, simple);
+  }
+  (void)wide;
+  if (direct) return;
+  const size_t total = static_cast<size_t>(oh) * ow;
+  if (simple) {  // bf16 of exactly the float32 values
+    for (size_t i = 0; i < 3 * total; ++i) out_h[i] = to_bf16(pix_[i]);
+    return;
+  }
+  double gray_sum = 0.0;
+  for (size_t i = 0; i < total; ++i)
+    gray_sum += 0.299 * pix_[3 * i] + 0.587 * pix_[3 * i + 1] + 0.114 * pix_[3 * i + 2];
+  const double gray_mean = gray_sum / static_cast<double>(total);
+  const double con = aug.contrast, sat = aug.saturation;
+  for (size_t i = 0; i < total; ++i) {
+    double v[3] = {pix_[3 * i], pix_[3 * i + 1], pix_[3 * i + 2]};
+    if (con != 1.0)
+      for (double& c : v) c = clamp255((c - gray_mean) * con + gray_mean);
+    if (sat != 1.0) {
+      const double g = 0.299 * v[0] + 0.587 * v[1] + 0.114 * v[2];
+      for (double& c : v) c = clamp255((c - g) * sat + g);
+    }
+    for (int c = 0; c < 3; ++c) {
+      const float f = static_cast<float>(v[c] * sc[c] - off[c]);
+      if (out_type == OutType::kFloat32)
+        out_f[3 * i + c] = f;
+      else
+        out_h[3 * i + c] = to_bf16(f);
+    }
+  }
+}
+
+}  // namespace data
+}  // namespace fastxfer
