@@ -53,28 +53,22 @@ __attribute__((always_inline)) inline void vertical_body(float* __restrict acc, 
   }
 }
 
-// hrow[4x + c] = sum_k w(x, k) * acc[fx[x] + 4k + c] over `groups` groups of 4 output pixels; the
-// weights are laid out per group: w4[((g * kx + k) * 4 + p) * 4 + c] for pixel 4g + p.
-__attribute__((always_inline)) inline void horizontal_body(float* __restrict hrow, const float* __restrict acc,
-                                                           const int32_t* fx, const float* w4, int kx, int groups) {
-  for (int g = 0; g < groups; ++g) {
-    for (int p = 0; p < 4; ++p) {
-      const int x = 4 * g + p;
-      const float* a = acc + fx[x];
-      const float* w = w4 + (static_cast<size_t>(g) * kx * 4 + p) * 4;
-      v4f v = load4(a) * load4(w);
-      for (int k = 1; k < kx; ++k) v += load4(a + 4 * k) * load4(w + 16 * k);
-      store4(hrow + 4 * x, v);
-    }
-  }
+// Horizontal filter of one output pixel: taps are grouped four to a 16-float block (block z holds
+// taps 4z..4z+3, one RGBX pixel each); p[k] = sum over blocks of the tap-k products, and the pixel
+// is (p[0] + p[2]) + (p[1] + p[3]) -- the order the AVX-512 transpose below adds them in.
+__attribute__((always_inline)) inline v4f horizontal_pixel(const float* a, const float* w, int blocks) {
+  v4f p[4];
+  for (int k = 0; k < 4; ++k) p[k] = load4(a + 4 * k) * load4(w + 4 * k);
+  for (int z = 1; z < blocks; ++z)
+    for (int k = 0; k < 4; ++k) p[k] += load4(a + 16 * z + 4 * k) * load4(w + 16 * z + 4 * k);
+  return (p[0] + p[2]) + (p[1] + p[3]);
 }
 
-// One output row: brightness, clamp to [0, 255], then (normalise) v * sc - off, RGBX -> RGB, and
-// mirrored when `flip`.
-__attribute__((always_inline)) inline void finish_pixel(float* dst, const float* h, v4f bright, v4f sc, v4f off,
+// Brightness, clamp to [0, 255], then (normalise) v * sc - off; RGBX -> RGB at dst.
+__attribute__((always_inline)) inline void finish_pixel(float* dst, v4f v, v4f bright, v4f sc, v4f off,
                                                         bool normalise) {
   const v4f zero = {0.0f, 0.0f, 0.0f, 0.0f}, top = {255.0f, 255.0f, 255.0f, 255.0f};
-  v4f v = load4(h) * bright;
+  v = v * bright;
   v = v > zero ? v : zero;
   v = v < top ? v : top;
   if (normalise) v = v * sc - off;
@@ -83,14 +77,23 @@ __attribute__((always_inline)) inline void finish_pixel(float* dst, const float*
   dst[2] = v[2];
 }
 
+// One output row from the vertically filtered row `acc`: horizontal filter, then finish_pixel,
+// mirrored when `flip`. Pixels [from, ow).
+__attribute__((always_inline)) inline void row_portable(float* dst, const float* acc, const int32_t* fx,
+                                                        const float* w16, int blocks, int from, int ow, bool flip,
+                                                        v4f bright, v4f sc, v4f off, bool normalise) {
+  for (int x = from; x < ow; ++x) {
+    const v4f v = horizontal_pixel(acc + fx[x], w16 + static_cast<size_t>(x) * blocks * 16, blocks);
+    finish_pixel(dst + 3 * (flip ? ow - 1 - x : x), v, bright, sc, off, normalise);
+  }
+}
+
 void vertical_portable(float* acc, const uint8_t* const* rows, const float* w, int n, size_t len) {
   vertical_body(acc, rows, w, n, len);
 }
-void horizontal_portable(float* hrow, const float* acc, const int32_t* fx, const float* w4, int kx, int groups) {
-  horizontal_body(hrow, acc, fx, w4, kx, groups);
-}
-void finish_portable(float* dst, const float* hrow, int ow, bool flip, v4f bright, v4f sc, v4f off, bool normalise) {
-  for (int x = 0; x < ow; ++x) finish_pixel(dst + 3 * (flip ? ow - 1 - x : x), hrow + 4 * x, bright, sc, off, normalise);
+void row_portable_fn(float* dst, const float* acc, const int32_t* fx, const float* w16, int blocks, int ow, bool flip,
+                     v4f bright, v4f sc, v4f off, bool normalise) {
+  row_portable(dst, acc, fx, w16, blocks, 0, ow, flip, bright, sc, off, normalise);
 }
 
 #if FASTXFER_RESAMPLE_AVX512
@@ -99,48 +102,44 @@ FASTXFER_AVX512_TARGET void vertical_avx512(float* acc, const uint8_t* const* ro
   vertical_body(acc, rows, w, n, len);
 }
 
-// Four output pixels per 512-bit register: each tap gathers four 16-byte pixels.
-FASTXFER_AVX512_TARGET void horizontal_avx512(float* hrow, const float* acc, const int32_t* fx, const float* w4,
-                                              int kx, int groups) {
-  for (int g = 0; g < groups; ++g) {
-    const float* a0 = acc + fx[4 * g];
-    const float* a1 = acc + fx[4 * g + 1];
-    const float* a2 = acc + fx[4 * g + 2];
-    const float* a3 = acc + fx[4 * g + 3];
-    const float* w = w4 + static_cast<size_t>(g) * kx * 16;
-    __m512 v = _mm512_setzero_ps();
-    for (int k = 0; k < kx; ++k) {
-      __m512 p = _mm512_castps128_ps512(_mm_loadu_ps(a0 + 4 * k));
-      p = _mm512_insertf32x4(p, _mm_loadu_ps(a1 + 4 * k), 1);
-      p = _mm512_insertf32x4(p, _mm_loadu_ps(a2 + 4 * k), 2);
-      p = _mm512_insertf32x4(p, _mm_loadu_ps(a3 + 4 * k), 3);
-      const __m512 prod = _mm512_mul_ps(p, _mm512_loadu_ps(w + 16 * k));
-      v = k == 0 ? prod : _mm512_add_ps(v, prod);
-    }
-    _mm512_storeu_ps(hrow + 16 * g, v);
-  }
+FASTXFER_AVX512_TARGET inline __m512 taps_avx512(const float* a, const float* w, int blocks) {
+  __m512 v = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(w));
+  for (int z = 1; z < blocks; ++z)
+    v = _mm512_add_ps(v, _mm512_mul_ps(_mm512_loadu_ps(a + 16 * z), _mm512_loadu_ps(w + 16 * z)));
+  return v;
 }
 
-FASTXFER_AVX512_TARGET void finish_avx512(float* dst, const float* hrow, int ow, bool flip, v4f bright4, v4f sc4,
-                                          v4f off4, bool normalise) {
+// Four output pixels at a time: one register holds a pixel's four taps (block k = tap k); a 4x4
+// transpose of 128-bit blocks adds them up as (t0 + t2) + (t1 + t3) for all four pixels at once,
+// then brightness, clamp, normalise, RGBX -> RGB (mirrored when flipping) and a 12-float store.
+FASTXFER_AVX512_TARGET void row_avx512(float* dst, const float* acc, const int32_t* fx, const float* w16,
+                                       int blocks, int ow, bool flip, v4f bright4, v4f sc4, v4f off4,
+                                       bool normalise) {
   const __m512 bright = _mm512_broadcast_f32x4(reinterpret_cast<__m128>(bright4));
   const __m512 sc = _mm512_broadcast_f32x4(reinterpret_cast<__m128>(sc4));
   const __m512 off = _mm512_broadcast_f32x4(reinterpret_cast<__m128>(off4));
   const __m512 zero = _mm512_setzero_ps(), top = _mm512_set1_ps(255.0f);
-  // RGBX x4 -> RGB x4, in order or mirrored
   const __m512i keep = _mm512_setr_epi32(0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, 0, 0, 0, 0);
   const __m512i mirror = _mm512_setr_epi32(12, 13, 14, 8, 9, 10, 4, 5, 6, 0, 1, 2, 0, 0, 0, 0);
   const __m512i order = flip ? mirror : keep;
+  const size_t wstride = static_cast<size_t>(blocks) * 16;
   const int full = ow / 4 * 4;
   for (int x = 0; x < full; x += 4) {
-    __m512 v = _mm512_mul_ps(_mm512_loadu_ps(hrow + 4 * x), bright);
+    const float* w = w16 + static_cast<size_t>(x) * wstride;
+    const __m512 A = taps_avx512(acc + fx[x], w, blocks);
+    const __m512 B = taps_avx512(acc + fx[x + 1], w + wstride, blocks);
+    const __m512 C = taps_avx512(acc + fx[x + 2], w + 2 * wstride, blocks);
+    const __m512 D = taps_avx512(acc + fx[x + 3], w + 3 * wstride, blocks);
+    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(A, B, 0x44), _mm512_shuffle_f32x4(A, B, 0xEE));
+    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(C, D, 0x44), _mm512_shuffle_f32x4(C, D, 0xEE));
+    __m512 v = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+    v = _mm512_mul_ps(v, bright);
     v = _mm512_min_ps(_mm512_max_ps(v, zero), top);
     if (normalise) v = _mm512_sub_ps(_mm512_mul_ps(v, sc), off);
     const int at = flip ? ow - 4 - x : x;
     _mm512_mask_storeu_ps(dst + 3 * at, 0x0FFF, _mm512_permutexvar_ps(order, v));
   }
-  for (int x = full; x < ow; ++x)
-    finish_pixel(dst + 3 * (flip ? ow - 1 - x : x), hrow + 4 * x, bright4, sc4, off4, normalise);
+  row_portable(dst, acc, fx, w16, blocks, full, ow, flip, bright4, sc4, off4, normalise);
 }
 #endif
 
@@ -223,21 +222,19 @@ void Resampler::run(RowSource& src, int y0, int x0, int ch, int cw, int oh, int 
   const size_t row_floats = static_cast<size_t>(cw) * 4;
   ring_.resize(ring_rows * slot);
   row_ptr_.resize(ring_rows);
-  acc_.resize(row_floats);
-  // Horizontal taps: output pixels padded to whole groups of 4 (padding pixels read pixel 0 with
-  // weight 0 and are never written out), weights repeated over the 4 lanes of a pixel.
-  const int kx = tx_.taps;
-  const int groups = (ow + 3) / 4;
-  fx_.assign(static_cast<size_t>(groups) * 4, 0);
-  wx4_.assign(static_cast<size_t>(groups) * kx * 16, 0.0f);
+  // Horizontal taps in blocks of four (zero weights past an output's own taps), each weight
+  // repeated over the 4 lanes of a pixel; acc is padded so a block never reads past its end.
+  const int blocks = (tx_.taps + 3) / 4;
+  fx_.resize(ow);
+  wx4_.assign(static_cast<size_t>(ow) * blocks * 16, 0.0f);
   for (int x = 0; x < ow; ++x) {
     fx_[x] = (tx_.first[x] - x0) * 4;
-    for (int k = 0; k < kx; ++k) {
-      float* w = &wx4_[((static_cast<size_t>(x / 4) * kx + k) * 4 + x % 4) * 4];
-      w[0] = w[1] = w[2] = w[3] = tx_.w[static_cast<size_t>(x) * kx + k];
+    for (int k = 0; k < tx_.taps; ++k) {
+      float* w = &wx4_[(static_cast<size_t>(x) * blocks * 4 + k) * 4];
+      w[0] = w[1] = w[2] = w[3] = tx_.w[static_cast<size_t>(x) * tx_.taps + k];
     }
   }
-  hrow_.resize(static_cast<size_t>(groups) * 16);
+  acc_.assign(row_floats + static_cast<size_t>(blocks) * 16, 0.0f);
 
   const bool simple = aug.contrast == 1.0f && aug.saturation == 1.0f;
   float sc[3], off[3];
@@ -263,14 +260,12 @@ void Resampler::run(RowSource& src, int y0, int x0, int ch, int cw, int oh, int 
 #if FASTXFER_RESAMPLE_AVX512
     if (wide) {
       vertical_avx512(acc_.data(), row_ptr_.data(), wy, n, row_floats);
-      horizontal_avx512(hrow_.data(), acc_.data(), fx_.data(), wx4_.data(), kx, groups);
-      finish_avx512(dst, hrow_.data(), ow, aug.flip, bright4, sc4, off4, simple);
+      row_avx512(dst, acc_.data(), fx_.data(), wx4_.data(), blocks, ow, aug.flip, bright4, sc4, off4, simple);
       continue;
     }
 #endif
     vertical_portable(acc_.data(), row_ptr_.data(), wy, n, row_floats);
-    horizontal_portable(hrow_.data(), acc_.data(), fx_.data(), wx4_.data(), kx, groups);
-    finish_portable(dst, hrow_.data(), ow, aug.flip, bright4, sc4, off4, simple);
+    row_portable_fn(dst, acc_.data(), fx_.data(), wx4_.data(), blocks, ow, aug.flip, bright4, sc4, off4, simple);
   }
   (void)wide;
   if (direct) return;

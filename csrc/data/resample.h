@@ -77,9 +77,8 @@ class Resampler {
   std::vector<uint8_t> ring_;  // taps_y rows of slot_bytes
   std::vector<const uint8_t*> row_ptr_;
   std::vector<int32_t> fx_;    // horizontal tap start of each output pixel, in floats from the row start
-  std::vector<float> wx4_;     // horizontal weights, each repeated over the 4 lanes of a pixel
-  std::vector<float> acc_;     // one vertically filtered row: cw x 4
-  std::vector<float> hrow_;    // one output row before normalisation: ow x 4
+  std::vector<float> wx4_;     // horizontal weights in blocks of 4 taps, repeated over a pixel's 4 lanes
+  std::vector<float> acc_;     // one vertically filtered row: cw x 4 (+ padding)
   std::vector<float> pix_;     // oh x ow x 3 before normalisation (with contrast/saturation or bf16)
 };
 
