@@ -17,6 +17,7 @@
 #include "common/parallel.h"
 #include "compress/compress.h"
 #include "data/jpeg.h"
+#include "data/jpeg_tiles.h"
 #include "data/resample.h"
 #include "compress/cpu_features.h"
 #include "fusion/bucket_planner.h"
@@ -552,6 +553,40 @@ PYBIND11_MODULE(_core, m) {
   m.def("jpeg_support", [] { return py::make_tuple(data::jpeg_support_built(), data::jpeg_support_note()); },
         "(built, note): whether this build has the ROI JPEG decoder, and why not.");
   m.def(
+      "jpeg_tile_layout",
+      [](py::buffer data) -> py::object {
+        py::buffer_info v = data.request();
+        data::TileLayout t;
+        if (!data::parse_tile_layout(static_cast<const uint8_t*>(v.ptr), static_cast<size_t>(v.size * v.itemsize), &t))
+          return py::none();
+        py::dict d;
+        d["height"] = t.height;
+        d["width"] = t.width;
+        d["mcu_h"] = t.mcu_h;
+        d["mcu_w"] = t.mcu_w;
+        d["rows"] = t.rows;
+        d["cols"] = t.cols;
+        return d;
+      },
+      py::arg("data"), "The MCU grid of a tiled JPEG (restart marker after every MCU), or None for any other data.");
+  m.def(
+      "jpeg_tile_crop",
+      [](py::buffer data, int r0, int r1, int c0, int c1) -> py::bytes {
+        py::buffer_info v = data.request();
+        data::TileLayout t;
+        const auto* p = static_cast<const uint8_t*>(v.ptr);
+        if (!data::parse_tile_layout(p, static_cast<size_t>(v.size * v.itemsize), &t))
+          throw py::value_error("not a tiled JPEG (baseline, one scan, a restart marker after every MCU)");
+        if (!(0 <= r0 && r0 < r1 && r1 <= t.rows && 0 <= c0 && c0 < c1 && c1 <= t.cols))
+          throw py::value_error("MCU range outside the " + std::to_string(t.rows) + "x" + std::to_string(t.cols) +
+                                " grid");
+        std::vector<uint8_t> out;
+        data::build_tile_jpeg(p, t, r0, r1, c0, c1, &out);
+        return py::bytes(reinterpret_cast<const char*>(out.data()), out.size());
+      },
+      py::arg("data"), py::arg("r0"), py::arg("r1"), py::arg("c0"), py::arg("c1"),
+      "The JPEG of MCU rows [r0, r1) and columns [c0, c1) of a tiled JPEG.");
+  m.def(
       "resize_normalize",
       [](py::array img, int y0, int x0, int ch, int cw, py::array out, bool flip, float brightness, float contrast,
          float saturation, py::array mean, py::array std_) {
@@ -590,6 +625,22 @@ PYBIND11_MODULE(_core, m) {
            py::arg("max_pixels") = int64_t(1) << 28)
       .def_property_readonly("library_path", &data::BatchDecoder::library_path)
       .def_property_readonly("threads", &data::BatchDecoder::threads)
+      .def(
+          "transcode",
+          [](data::BatchDecoder& d, py::buffer data) {
+            py::buffer_info v = data.request();
+            std::vector<uint8_t> out;
+            {
+              py::gil_scoped_release nogil;
+              out = d.transcode(static_cast<const uint8_t*>(v.ptr), static_cast<size_t>(v.size * v.itemsize));
+            }
+            return py::bytes(reinterpret_cast<const char*>(out.data()), out.size());
+          },
+          py::arg("data"),
+          "Lossless transcode of a JPEG to fastxfer's tiled form (a restart marker after every MCU); raises "
+          "RuntimeError with libjpeg's reason when it cannot.")
+      .def("set_tiles", &data::BatchDecoder::set_tiles, py::arg("on"),
+           "False decodes tiled records by region of interest, as untiled ones (for tests and benchmarks).")
       .def(
           "decode_batch",
           [](data::BatchDecoder& d, py::sequence records, py::array heights, py::array widths, py::array boxes,

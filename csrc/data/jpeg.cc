@@ -9,6 +9,7 @@
 #include <stdexcept>
 
 #include "common/parallel.h"
+#include "data/jpeg_tiles.h"
 
 #if FASTXFER_HAVE_JPEGLIB
 #include <dlfcn.h>
@@ -52,6 +53,8 @@ std::vector<std::string> BatchDecoder::decode_batch(const std::vector<JpegImage>
                                                     const float*, void*, OutType) {
   throw std::runtime_error(jpeg_support_note());
 }
+std::vector<uint8_t> BatchDecoder::transcode(const uint8_t*, size_t) { throw std::runtime_error(jpeg_support_note()); }
+void BatchDecoder::set_tiles(bool) {}
 
 #else  // FASTXFER_HAVE_JPEGLIB
 
@@ -79,6 +82,14 @@ class JpegLibrary {
       bind(abort_decompress, "jpeg_abort_decompress");
       bind(crop_scanline, "jpeg_crop_scanline");   // libjpeg-turbo >= 1.5 only
       bind(skip_scanlines, "jpeg_skip_scanlines");
+      bind(read_coefficients, "jpeg_read_coefficients");
+      bind(finish_decompress, "jpeg_finish_decompress");
+      bind(create_compress, "jpeg_CreateCompress");
+      bind(destroy_compress, "jpeg_destroy_compress");
+      bind(mem_dest, "jpeg_mem_dest");
+      bind(copy_critical_parameters, "jpeg_copy_critical_parameters");
+      bind(write_coefficients, "jpeg_write_coefficients");
+      bind(finish_compress, "jpeg_finish_compress");
     } catch (...) {
       dlclose(handle_);
       throw;
@@ -97,6 +108,14 @@ class JpegLibrary {
   decltype(&::jpeg_abort_decompress) abort_decompress = nullptr;
   decltype(&::jpeg_crop_scanline) crop_scanline = nullptr;
   decltype(&::jpeg_skip_scanlines) skip_scanlines = nullptr;
+  decltype(&::jpeg_read_coefficients) read_coefficients = nullptr;
+  decltype(&::jpeg_finish_decompress) finish_decompress = nullptr;
+  decltype(&::jpeg_CreateCompress) create_compress = nullptr;
+  decltype(&::jpeg_destroy_compress) destroy_compress = nullptr;
+  decltype(&::jpeg_mem_dest) mem_dest = nullptr;
+  decltype(&::jpeg_copy_critical_parameters) copy_critical_parameters = nullptr;
+  decltype(&::jpeg_write_coefficients) write_coefficients = nullptr;
+  decltype(&::jpeg_finish_compress) finish_compress = nullptr;
 
  private:
   template <class F>
@@ -199,57 +218,125 @@ struct BatchDecoder::Worker {
   const char* decode(const JpegImage& im, int oh, int ow, const float mean[3], const float std_[3], void* out,
                      OutType out_type, int64_t max_pixels) {
     if (!created_) return create_error_.c_str();
+    const int H = im.height, W = im.width;
+    if (static_cast<int64_t>(H) * W > max_pixels) {
+      std::snprintf(err_.message, sizeof(err_.message), "the image is %dx%d = %lld pixels, over the limit of %lld",
+                    W, H, static_cast<long long>(H) * W, static_cast<long long>(max_pixels));
+      return err_.message;
+    }
+    // DCT-domain shrinking by the largest of 8/4/2 that leaves the crop at least the output size,
+    // and the crop box in the decoded image's pixels (as loader.decode() maps it).
+    int f = 1;
+    for (int c : {8, 4, 2}) {
+      if (im.h / c >= oh && im.w / c >= ow) {
+        f = c;
+        break;
+      }
+    }
+    const int H2 = (H + f - 1) / f, W2 = (W + f - 1) / f;
+    const double sy = static_cast<double>(H2) / H, sx = static_cast<double>(W2) / W;
+    const int y2 = static_cast<int>(im.y * sy), x2 = static_cast<int>(im.x * sx);
+    const int h2 = std::max(1, std::min(H2 - y2, static_cast<int>(std::nearbyint(im.h * sy))));
+    const int w2 = std::max(1, std::min(W2 - x2, static_cast<int>(std::nearbyint(im.w * sx))));
+    if (y2 < 0 || x2 < 0 || y2 >= H2 || x2 >= W2) {
+      std::snprintf(err_.message, sizeof(err_.message), "the crop box lies outside the image");
+      return err_.message;
+    }
+    // A tiled record (restart marker after every MCU): cut the crop's MCUs, plus one on each side
+    // so chroma upsampling at the crop's edges sees the same neighbours, into a smaller JPEG.
+    if (tiles_enabled_ && parse_tile_layout(im.data, im.size, &layout_) && layout_.height == H &&
+        layout_.width == W) {
+      const TileLayout& t = layout_;
+      const int r0 = std::max(0, im.y / t.mcu_h - 1), r1 = std::min(t.rows, (im.y + im.h - 1) / t.mcu_h + 2);
+      const int c0 = std::max(0, im.x / t.mcu_w - 1), c1 = std::min(t.cols, (im.x + im.w - 1) / t.mcu_w + 2);
+      build_tile_jpeg(im.data, t, r0, r1, c0, c1, &tile_);
+      const int hs = std::min(H, r1 * t.mcu_h) - r0 * t.mcu_h, ws = std::min(W, c1 * t.mcu_w) - c0 * t.mcu_w;
+      const int dy = r0 * t.mcu_h / f, dx = c0 * t.mcu_w / f;  // MCU sizes are multiples of 8 >= f
+      return decode_box(tile_.data(), tile_.size(), hs, ws, f, y2 - dy, x2 - dx, h2, w2, oh, ow, im.aug, mean, std_,
+                        out, out_type);
+    }
+    return decode_box(im.data, im.size, H, W, f, y2, x2, h2, w2, oh, ow, im.aug, mean, std_, out, out_type);
+  }
+
+  void set_tiles(bool on) { tiles_enabled_ = on; }
+
+  // Lossless transcode to a tiled JPEG (see jpeg_tiles.h): same coefficients, optimised Huffman
+  // tables, a restart marker after every MCU. Returns nullptr and fills `out`, or the reason.
+  const char* transcode(const uint8_t* data, size_t size, int64_t max_pixels, std::vector<uint8_t>* out) {
+    if (!created_) return create_error_.c_str();
+    // Locals written after setjmp and read after a longjmp live in this object, not in registers.
+    tc_buf_ = nullptr;
+    tc_size_ = 0;
+    tc_made_ = false;
+    std::memset(&tc_, 0, sizeof(tc_));
+    tc_.err = &err_.pub;  // one error manager (and jump target) for both structs
+    if (setjmp(err_.jump)) {
+      lib_->abort_decompress(&cinfo_);
+      if (tc_made_) lib_->destroy_compress(&tc_);
+      std::free(tc_buf_);
+      return err_.message;
+    }
+    lib_->abort_decompress(&cinfo_);
+    lib_->mem_src(&cinfo_, data, static_cast<unsigned long>(size));
+    lib_->read_header(&cinfo_, TRUE);
+    if (static_cast<int64_t>(cinfo_.image_height) * cinfo_.image_width > max_pixels)
+      fail(&err_, "the image is over the pixel limit");
+    jvirt_barray_ptr* coefs = lib_->read_coefficients(&cinfo_);
+    lib_->create_compress(&tc_, JPEG_LIB_VERSION, sizeof(tc_));
+    tc_made_ = true;
+    lib_->mem_dest(&tc_, &tc_buf_, &tc_size_);
+    lib_->copy_critical_parameters(&cinfo_, &tc_);
+    tc_.restart_interval = 1;
+    tc_.optimize_coding = TRUE;
+    lib_->write_coefficients(&tc_, coefs);
+    lib_->finish_compress(&tc_);
+    lib_->finish_decompress(&cinfo_);
+    out->assign(tc_buf_, tc_buf_ + tc_size_);
+    lib_->destroy_compress(&tc_);
+    tc_made_ = false;
+    std::free(tc_buf_);
+    tc_buf_ = nullptr;
+    return nullptr;
+  }
+
+ private:
+  // Decodes the JPEG `data` (hs x ws pixels, DCT-scaled by 1/f) and resamples the box
+  // (y2, x2, h2, w2), given in the scaled image's pixels.
+  const char* decode_box(const uint8_t* data, size_t size, int hs, int ws, int f, int y2, int x2, int h2, int w2,
+                         int oh, int ow, const Augment& aug, const float mean[3], const float std_[3], void* out,
+                         OutType out_type) {
     // No object with a destructor may live in this frame past setjmp (longjmp skips destructors).
     if (setjmp(err_.jump)) {
       lib_->abort_decompress(&cinfo_);
       return err_.message;
     }
     lib_->abort_decompress(&cinfo_);  // in case an exception left the previous image half done
-    lib_->mem_src(&cinfo_, im.data, static_cast<unsigned long>(im.size));
+    lib_->mem_src(&cinfo_, data, static_cast<unsigned long>(size));
     lib_->read_header(&cinfo_, TRUE);
     const int H = static_cast<int>(cinfo_.image_height), W = static_cast<int>(cinfo_.image_width);
-    if (H != im.height || W != im.width) {
+    if (H != hs || W != ws) {
       std::snprintf(err_.message, sizeof(err_.message),
-                    "the JPEG header says %dx%d (WxH) but the dataset index says %dx%d", W, H, im.width, im.height);
-      longjmp(err_.jump, 1);
-    }
-    if (static_cast<int64_t>(H) * W > max_pixels) {
-      std::snprintf(err_.message, sizeof(err_.message), "the image is %dx%d = %lld pixels, over the limit of %lld",
-                    W, H, static_cast<long long>(H) * W, static_cast<long long>(max_pixels));
+                    "the JPEG header says %dx%d (WxH) but the dataset index says %dx%d", W, H, ws, hs);
       longjmp(err_.jump, 1);
     }
     const bool cmyk = cinfo_.jpeg_color_space == JCS_CMYK || cinfo_.jpeg_color_space == JCS_YCCK;
     cinfo_.out_color_space = cmyk ? JCS_CMYK : JCS_EXT_RGBX;  // grayscale expands to RGBX too
-    // DCT-domain shrinking by the largest of 8/4/2 that leaves the crop at least the output size.
-    int factor = 1;
-    for (int f : {8, 4, 2}) {
-      if (im.h / f >= oh && im.w / f >= ow) {
-        factor = f;
-        break;
-      }
-    }
     cinfo_.scale_num = 1;
-    cinfo_.scale_denom = static_cast<unsigned>(factor);
+    cinfo_.scale_denom = static_cast<unsigned>(f);
     cinfo_.dct_method = JDCT_ISLOW;
     cinfo_.do_fancy_upsampling = TRUE;
     lib_->start_decompress(&cinfo_);
     const int H2 = static_cast<int>(cinfo_.output_height), W2 = static_cast<int>(cinfo_.output_width);
-    // The crop box in the decoded image's pixels (as loader.decode() maps it).
-    const double sy = static_cast<double>(H2) / H, sx = static_cast<double>(W2) / W;
-    const int y2 = static_cast<int>(im.y * sy), x2 = static_cast<int>(im.x * sx);
-    const int h2 = std::max(1, std::min(H2 - y2, static_cast<int>(std::nearbyint(im.h * sy))));
-    const int w2 = std::max(1, std::min(W2 - x2, static_cast<int>(std::nearbyint(im.w * sx))));
-    if (y2 < 0 || x2 < 0 || y2 >= H2 || x2 >= W2) fail(&err_, "the crop box lies outside the image");
+    if (y2 < 0 || x2 < 0 || y2 + h2 > H2 || x2 + w2 > W2) fail(&err_, "the crop box lies outside the image");
     JDIMENSION xoff = static_cast<JDIMENSION>(x2), cw = static_cast<JDIMENSION>(w2);
     lib_->crop_scanline(&cinfo_, &xoff, &cw);  // widens to whole iMCU columns
     if (cinfo_.output_components != 4) fail(&err_, "unexpected number of output components");
     rows_.start(cw, x2 - static_cast<int>(xoff), cmyk);
-    resampler_.run(rows_, y2, x2, h2, w2, oh, ow, im.aug, mean, std_, out, out_type);
+    resampler_.run(rows_, y2, x2, h2, w2, oh, ow, aug, mean, std_, out, out_type);
     lib_->abort_decompress(&cinfo_);  // the rows below the crop are never decoded
     return nullptr;
   }
 
- private:
   JpegLibrary* lib_;
   jpeg_decompress_struct cinfo_;
   ErrorManager err_;
@@ -257,6 +344,13 @@ struct BatchDecoder::Worker {
   std::string create_error_;
   JpegRows rows_;
   Resampler resampler_;
+  bool tiles_enabled_ = true;
+  TileLayout layout_;
+  std::vector<uint8_t> tile_;
+  jpeg_compress_struct tc_;
+  unsigned char* tc_buf_ = nullptr;
+  unsigned long tc_size_ = 0;
+  bool tc_made_ = false;
 };
 
 struct BatchDecoder::Pool {
@@ -267,6 +361,7 @@ BatchDecoder::BatchDecoder(const std::string& library_path, int threads, int64_t
     : lib_(std::make_shared<JpegLibrary>(library_path)),
       threads_(threads > 0 ? threads : default_threads()),
       max_pixels_(max_pixels),
+      transcode_mu_(std::make_unique<std::mutex>()),
       pool_(std::make_unique<Pool>()) {
   for (int i = 0; i < threads_; ++i) {
     workers_.push_back(std::make_unique<Worker>(lib_.get()));
@@ -277,6 +372,22 @@ BatchDecoder::BatchDecoder(const std::string& library_path, int threads, int64_t
 BatchDecoder::~BatchDecoder() {
   pool_.reset();  // stop the threads before their decoders go
   workers_.clear();
+  transcoder_.reset();
+}
+
+std::vector<uint8_t> BatchDecoder::transcode(const uint8_t* data, size_t size) {
+  // One transcoder per calling thread would allow parallel packing; packing threads each use
+  // their own BatchDecoder instead, so one here, serialised, is enough.
+  std::lock_guard<std::mutex> lk(*transcode_mu_);
+  if (!transcoder_) transcoder_ = std::make_unique<Worker>(lib_.get());
+  std::vector<uint8_t> out;
+  if (const char* e = transcoder_->transcode(data, size, max_pixels_, &out)) throw std::runtime_error(e);
+  return out;
+}
+
+void BatchDecoder::set_tiles(bool on) {
+  std::lock_guard<std::mutex> own(pool_->pool.owner());
+  for (auto& w : workers_) w->set_tiles(on);
 }
 
 const std::string& BatchDecoder::library_path() const { return lib_->path(); }

@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -30,12 +31,6 @@ struct JpegImage {
   int height = 0, width = 0;  // what the dataset index says; the JPEG header must agree
   int y = 0, x = 0, h = 0, w = 0;  // crop box in full-resolution pixels
   Augment aug;
-};
-
-struct JpegHeader {
-  int height = 0, width = 0, components = 0;
-  std::string colorspace;  // "GRAY", "RGB" (YCbCr or RGB), "CMYK" (CMYK or YCCK)
-  bool progressive = false;
 };
 
 class JpegLibrary;
@@ -58,8 +53,12 @@ class BatchDecoder {
   std::vector<std::string> decode_batch(const std::vector<JpegImage>& images, int out_h, int out_w,
                                         const float mean[3], const float std_[3], void* out, OutType out_type);
 
-  // The header of one JPEG (throws std::runtime_error for data that is not one).
-  JpegHeader header(const uint8_t* data, size_t size);
+  // Lossless transcode of one JPEG to the tiled form (jpeg_tiles.h) on the calling thread.
+  // Throws std::runtime_error with libjpeg's reason for data it cannot transcode.
+  std::vector<uint8_t> transcode(const uint8_t* data, size_t size);
+
+  // Testing/benchmark switch: false decodes tiled records the ordinary way (region of interest).
+  void set_tiles(bool on);
 
  private:
   struct Worker;
@@ -67,6 +66,8 @@ class BatchDecoder {
   int threads_;
   int64_t max_pixels_;
   std::vector<std::unique_ptr<Worker>> workers_;
+  std::unique_ptr<Worker> transcoder_;  // pack time, guarded by transcode_mu_
+  std::unique_ptr<std::mutex> transcode_mu_;
   struct Pool;
   std::unique_ptr<Pool> pool_;
 };

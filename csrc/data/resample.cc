@@ -40,16 +40,36 @@ inline double clamp255(double v) { return std::min(std::max(v, 0.0), 255.0); }
 // ---- the three row kernels, written once and compiled twice (portable and AVX-512) -------------
 // Each does the same float operations in the same order on every path.
 
-// acc[j] = sum_k w[k] * rows[k][j] for j < len (rows are bytes).
+// acc[j] = sum_k w[k] * rows[k][j] for j < len (rows are bytes), summed in order k = 0, 1, ...
+// Up to 6 taps in one pass over the row (no round trips through acc); more in passes of 6.
+template <int N>
+__attribute__((always_inline)) inline void vertical_fixed(float* __restrict acc, const uint8_t* const* rows,
+                                                          const float* w, size_t len, bool first) {
+  const uint8_t* __restrict r[N];
+  float wk[N];
+  for (int k = 0; k < N; ++k) {
+    r[k] = rows[k];
+    wk[k] = w[k];
+  }
+  for (size_t j = 0; j < len; ++j) {
+    float v = first ? wk[0] * static_cast<float>(r[0][j]) : acc[j] + wk[0] * static_cast<float>(r[0][j]);
+    for (int k = 1; k < N; ++k) v += wk[k] * static_cast<float>(r[k][j]);
+    acc[j] = v;
+  }
+}
+
 __attribute__((always_inline)) inline void vertical_body(float* __restrict acc, const uint8_t* const* rows,
                                                          const float* w, int n, size_t len) {
-  const uint8_t* __restrict r0 = rows[0];
-  const float w0 = w[0];
-  for (size_t j = 0; j < len; ++j) acc[j] = w0 * static_cast<float>(r0[j]);
-  for (int k = 1; k < n; ++k) {
-    const uint8_t* __restrict r = rows[k];
-    const float wk = w[k];
-    for (size_t j = 0; j < len; ++j) acc[j] += wk * static_cast<float>(r[j]);
+  for (int k0 = 0; k0 < n; k0 += 6) {
+    const bool first = k0 == 0;
+    switch (std::min(6, n - k0)) {
+      case 1: vertical_fixed<1>(acc, rows + k0, w + k0, len, first); break;
+      case 2: vertical_fixed<2>(acc, rows + k0, w + k0, len, first); break;
+      case 3: vertical_fixed<3>(acc, rows + k0, w + k0, len, first); break;
+      case 4: vertical_fixed<4>(acc, rows + k0, w + k0, len, first); break;
+      case 5: vertical_fixed<5>(acc, rows + k0, w + k0, len, first); break;
+      default: vertical_fixed<6>(acc, rows + k0, w + k0, len, first); break;
+    }
   }
 }
 

@@ -1,7 +1,11 @@
 """``fastxfer bench pipeline``: images/s of the training and evaluation input pipelines, per core,
 side by side with the equivalent tf.data pipeline (decode_and_crop_jpeg with
 sample_distorted_bounding_box, resize, flip, normalise; one thread), a PIL + numpy pipeline, and
-libjpeg-turbo decoding alone (the limit).
+libjpeg-turbo decoding alone (the limit); the Loader with its native decoder (threads from 1 to all
+cores) and with the simplejpeg + Numba reference path. Every row also reports the CPU it used
+(process CPU time / wall time), so "per core" can be checked. A second table times the resampling
+step alone (crop + resize + flip + normalise of a decoded image): the C++ kernel, the Numba kernel,
+and PIL's resize + numpy.
 
 The JPEG sets are made from real photographs shipped inside installed packages (scikit-image's
 sample data: astronaut, coffee, chelsea, rocket, Hubble deep field, immunohistochemistry, retina,
@@ -53,14 +57,24 @@ def make_set(n: int, size: tuple[int, int], seed: int = 0) -> list[bytes]:
     return out
 
 
-def _timed(fn, n_images: int, reps: int) -> float:
-    fn()  # warm-up (JIT, caches)
-    times = []
+def _timed(fn, n_images: int, reps: int) -> tuple[float, float]:
+    """(images/s, CPU cores busy) of fn, median over reps after a warm-up."""
+    fn()  # warm-up (JIT, caches, first-read checksums)
+    times, cpus = [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
-    return n_images / statistics.median(times)
+        dt = time.perf_counter() - t0
+        times.append(dt)
+        cpus.append((time.process_time() - c0) / dt)
+    return n_images / statistics.median(times), statistics.median(cpus)
+
+
+def _params(heights, widths, train: bool):
+    from fastxfer.data import kernels as K
+
+    u = K.image_uniforms(0, 0, 0, np.arange(len(heights)))
+    return K.augment_params(u, np.asarray(heights), np.asarray(widths), train)
 
 
 def _pil_pipeline(jpegs, train: bool):
@@ -70,18 +84,60 @@ def _pil_pipeline(jpegs, train: bool):
 
     mean = K.IMAGENET_MEAN * 255
     std = K.IMAGENET_STD * 255
+    sizes = [Image.open(io.BytesIO(d)).size for d in jpegs]
+    boxes, flips, _ = _params([h for _, h in sizes], [w for w, _ in sizes], train)
 
     def run():
         for i, data in enumerate(jpegs):
             img = Image.open(io.BytesIO(data)).convert("RGB")
-            w, h = img.size
-            rng = K.image_rng(0, 0, 0, i)
-            y, x, ch, cw = K.sample_rrc(rng, h, w) if train else K.center_crop_box(h, w)
+            y, x, ch, cw = (int(v) for v in boxes[i])
             img = img.resize((224, 224), Image.BILINEAR, box=(x, y, x + cw, y + ch))
-            if train and rng.random() < 0.5:
+            if flips[i]:
                 img = img.transpose(Image.FLIP_LEFT_RIGHT)
             _ = (np.asarray(img, np.float32) - mean) / std
     return run
+
+
+def _kernel_rows(jpegs, reps: int) -> list[dict]:
+    """The resampling step alone on decoded images: C++ vs Numba vs PIL (+ numpy normalise)."""
+    import simplejpeg
+    from PIL import Image
+
+    from fastxfer import _core
+    from fastxfer.data import kernels as K
+
+    imgs = [simplejpeg.decode_jpeg(d) for d in jpegs[:32]]
+    boxes, flips, _ = _params([im.shape[0] for im in imgs], [im.shape[1] for im in imgs], True)
+    out = np.empty((224, 224, 3), np.float32)
+    scratch = np.empty(K.scratch_size(1024, 224), np.float32)
+    mean, std = K.IMAGENET_MEAN, K.IMAGENET_STD
+    pil_imgs = [Image.fromarray(im) for im in imgs]
+
+    def native():
+        for im, b, f in zip(imgs, boxes, flips):
+            _core.resize_normalize(im, *(int(v) for v in b), out, bool(f), 1.0, 1.0, 1.0, mean, std)
+
+    def numba():
+        for im, b, f in zip(imgs, boxes, flips):
+            K.crop_resize_normalize_scratch(im, *(int(v) for v in b), out, bool(f), 1.0, 1.0, 1.0, mean, std,
+                                            scratch)
+
+    def pil():
+        for im, (y, x, ch, cw), f in zip(pil_imgs, boxes, flips):
+            r = im.resize((224, 224), Image.BILINEAR, box=(int(x), int(y), int(x + cw), int(y + ch)))
+            if f:
+                r = r.transpose(Image.FLIP_LEFT_RIGHT)
+            _ = (np.asarray(r, np.float32) - mean * 255) / (std * 255)
+
+    rows = []
+    for name, fn in (("fastxfer C++ resampler", native), ("fastxfer Numba kernel", numba),
+                     ("PIL resize (BILINEAR, box) + numpy normalise", pil)):
+        rate, _ = _timed(fn, len(imgs), max(reps, 5))
+        rows.append({"kernel": name, "us_per_image": 1e6 / rate})
+    base = rows[0]["us_per_image"]
+    for r in rows:
+        r["vs_cpp"] = r["us_per_image"] / base
+    return rows
 
 
 _TF_CHILD = r"""
@@ -95,6 +151,8 @@ jpegs = json.load(open(path))["files"]
 data = [open(f, "rb").read() for f in jpegs]
 mean = tf.constant([0.485, 0.456, 0.406]) * 255
 std = tf.constant([0.229, 0.224, 0.225]) * 255
+import resource
+def cpu(): r = resource.getrusage(resource.RUSAGE_SELF); return r.ru_utime + r.ru_stime
 def train_map(b):
     shape = tf.io.extract_jpeg_shape(b)
     begin, size, _ = tf.image.sample_distorted_bounding_box(shape, tf.zeros([0, 0, 4]), min_object_covered=0.0,
@@ -117,10 +175,11 @@ ds = ds.with_options(opts)
 def run():
     for _ in ds: pass
 run()
-ts = []
+ts, cs = [], []
 for _ in range(reps):
-    t0 = time.perf_counter(); run(); ts.append(time.perf_counter() - t0)
-print("FASTXFER_JSON " + json.dumps({"rate": len(data) / statistics.median(ts), "version": tf.__version__}))
+    c0, t0 = cpu(), time.perf_counter(); run(); ts.append(time.perf_counter() - t0); cs.append((cpu() - c0) / ts[-1])
+print("FASTXFER_JSON " + json.dumps({"rate": len(data) / statistics.median(ts), "cpu": statistics.median(cs),
+                                     "version": tf.__version__}))
 """
 
 
@@ -145,9 +204,14 @@ def run(n: int, reps: int, batch: int, tf_peer: bool = True) -> dict:
     import simplejpeg
 
     from fastxfer.data import Loader, pack
+    from fastxfer.data.loader import native_decoder_status
 
     rows = []
     cpus = usable_cpus()
+    native_ok, native_note = native_decoder_status()
+    if not native_ok:
+        status(f"native decoder unavailable ({native_note}): only the Numba path runs")
+    kernels = []
     with tempfile.TemporaryDirectory(prefix="fastxfer-pipe-") as tmp:
         for label, size in (("500x375", (375, 500)), ("1000x750", (750, 1000))):
             status(f"building {n} JPEGs of {label} from scikit-image's photographs")
@@ -162,44 +226,57 @@ def run(n: int, reps: int, batch: int, tf_peer: bool = True) -> dict:
             pack([(f, i % 8) for i, f in enumerate(files)], packed, progress=False)
             status(f"{label}: measuring")
 
-            def add(pipe, mode, threads, rate, version=""):
+            def add(pipe, mode, threads, timing, version=""):
+                rate, busy = timing
                 rows.append({"set": label, "pipeline": pipe, "mode": mode, "threads": threads, "images_s": rate,
-                             "per_core": rate / threads, "version": version})
+                             "per_core": rate / threads, "cpu": busy, "version": version})
 
             add("libjpeg-turbo decode alone (simplejpeg)", "decode", 1,
                 _timed(lambda: [simplejpeg.decode_jpeg(d) for d in jpegs], n, reps))
             for train in (True, False):
                 mode = "train" if train else "eval"
-                for t in sorted({1, cpus}):
-                    ld = Loader(packed, batch, image_size=224, train=train, threads=t, rank=0, size=1, prefetch=2)
+                configs = [("fastxfer Loader", "native", t) for t in sorted({1, cpus}) if native_ok]
+                configs.append(("fastxfer Loader, simplejpeg + Numba", "numba", 1))
+                for name, decoder, t in configs:
+                    ld = Loader(packed, batch, image_size=224, train=train, threads=t, rank=0, size=1, prefetch=2,
+                                decoder=decoder)
 
                     def go(ld=ld):
                         for _ in ld:
                             pass
-                    add("fastxfer Loader", mode, t, _timed(go, len(ld) * batch, reps))
+                    add(name, mode, t, _timed(go, len(ld) * batch, reps))
                     ld.close()
                 tf_res = _tf_rate(files, reps, train, tmp) if tf_peer else None
                 if tf_res:
-                    add("tf.data (decode_and_crop, resize, flip, normalise)", mode, 1, tf_res["rate"], tf_res["version"])
+                    add("tf.data (decode_and_crop, resize, flip, normalise)", mode, 1,
+                        (tf_res["rate"], tf_res.get("cpu", float("nan"))), tf_res["version"])
                 try:
                     add("PIL + numpy", mode, 1, _timed(_pil_pipeline(jpegs, train), n, reps))
                 except ImportError:
                     pass
-    return {"machine": machine_info(), "images": n, "rows": rows, "targets": _targets(rows)}
+            if label == "500x375" and native_ok:
+                status("resampling kernels alone")
+                kernels = _kernel_rows(jpegs, reps)
+    return {"machine": machine_info(), "images": n, "rows": rows, "kernels": kernels, "targets": _targets(rows),
+            "native_decoder": native_note}
 
 
-def _rate(rows, s, pipe_prefix, mode, threads=1):
+def _rate(rows, s, pipe, mode, threads=1):
     for r in rows:
-        if r["set"] == s and r["pipeline"].startswith(pipe_prefix) and r["mode"] == mode and r["threads"] == threads:
+        if r["set"] == s and r["pipeline"].startswith(pipe) and r["mode"] == mode and r["threads"] == threads:
             return r["images_s"]
     return None
 
 
 def _targets(rows) -> list[dict]:
     out = []
-    fx5, tf5, dec5 = (_rate(rows, "500x375", "fastxfer", "train"), _rate(rows, "500x375", "tf.data", "train"),
-                      _rate(rows, "500x375", "libjpeg", "decode"))
-    fx10, tf10 = _rate(rows, "1000x750", "fastxfer", "train"), _rate(rows, "1000x750", "tf.data", "train")
+    fx = "fastxfer Loader"  # the native decoder's rows (the Numba rows say so in their name)
+    fx5 = next((r["images_s"] for r in rows if r["set"] == "500x375" and r["pipeline"] == fx and r["mode"] == "train"
+                and r["threads"] == 1), None)
+    fx10 = next((r["images_s"] for r in rows if r["set"] == "1000x750" and r["pipeline"] == fx
+                 and r["mode"] == "train" and r["threads"] == 1), None)
+    tf5, dec5 = _rate(rows, "500x375", "tf.data", "train"), _rate(rows, "500x375", "libjpeg", "decode")
+    tf10 = _rate(rows, "1000x750", "tf.data", "train")
     if fx5 and tf5:
         out.append({"target": "train, 500x375: >= 2x tf.data per core", "value": fx5 / tf5, "need": 2.0,
                     "ok": fx5 / tf5 >= 2.0})
@@ -219,23 +296,59 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-tf", action="store_true", help="skip the tf.data peer")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--markdown", action="store_true")
+    p.add_argument("--plot", metavar="PNG", help="plot images/s per pipeline and the Loader's scaling with threads")
 
 
 def main(args: argparse.Namespace) -> int:
     res = run(args.images, args.reps, args.batch, tf_peer=not args.no_tf)
-    cols = ["set", "pipeline", "mode", "threads", "images/s", "images/s per core"]
-    rows = [[r["set"], r["pipeline"], r["mode"], str(r["threads"]), f"{r['images_s']:.0f}", f"{r['per_core']:.0f}"]
-            for r in res["rows"]]
+    cols = ["set", "pipeline", "mode", "threads", "images/s", "images/s per core", "CPU busy"]
+    rows = [[r["set"], r["pipeline"], r["mode"], str(r["threads"]), f"{r['images_s']:.0f}", f"{r['per_core']:.0f}",
+             f"{r['cpu']:.2f}"] for r in res["rows"]]
     m = res["machine"]
     caption = f"{m['date']} | {m['cpu']} | {m['cpus']} CPUs | {res['images']} images per set | medians"
     print_table("fastxfer bench pipeline", cols, rows, caption)
+    kcols = ["resampling step (500x375 decoded -> 224x224 float32)", "us/image", "x C++ time"]
+    krows = [[k["kernel"], f"{k['us_per_image']:.0f}", f"{k['vs_cpp']:.2f}"] for k in res["kernels"]]
+    if krows:
+        print_table("resampling kernels alone", kcols, krows)
     print_targets(res["targets"])
     if args.markdown:
         print_markdown(m, caption, cols, rows, res["targets"])
+        if krows:
+            from fastxfer.bench._common import markdown_table
+
+            print()
+            print(markdown_table(kcols, krows))
+    if args.plot:
+        _plot(res, args.plot)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
     return 0
+
+
+def _plot(res: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        status("matplotlib is not installed: no plot (pip install matplotlib)")
+        return
+    sets = ["500x375", "1000x750"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, label in zip(axes, sets):
+        rows = [r for r in res["rows"] if r["set"] == label and r["threads"] == 1]
+        names = [f"{r['pipeline']}\n{r['mode']}" for r in rows]
+        ax.barh(range(len(rows)), [r["images_s"] for r in rows], color="tab:blue")
+        ax.set_yticks(range(len(rows)), names, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel("images/s on one core")
+        ax.set_title(label)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    status(f"plot written to {path}")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     pk.add_argument("src", help="a folder with one sub-folder per class, or a text file of 'path label' lines")
     pk.add_argument("out", help="the pack to write (replaced atomically)")
     pk.add_argument("--no-progress", action="store_true")
+    pk.add_argument("--no-tiles", action="store_true",
+                    help="store the JPEGs byte for byte instead of transcoding them (losslessly) to tiled JPEGs "
+                         "with a restart marker per MCU (smaller files; the loader then decodes more per crop)")
+    pk.add_argument("--threads", type=int, default=None, help="reading/transcoding threads (default: all CPUs)")
     info = sub.add_parser("info", help="describe a pack; --verify checks every record's checksum")
     info.add_argument("file")
     info.add_argument("--verify", action="store_true")
@@ -34,9 +38,15 @@ def main(args: argparse.Namespace) -> int:
                 items, classes = read_list_file(args.src)
             else:
                 raise FastxferError(f"{args.src}: no such folder or list file")
-            s = pack(items, args.out, classes, progress=not args.no_progress, source=os.path.abspath(args.src))
+            s = pack(items, args.out, classes, progress=not args.no_progress, source=os.path.abspath(args.src),
+                     tiles=not args.no_tiles, threads=args.threads)
             print(f"packed {s['records']} images of {max(s['classes'], 1) if classes else 'unnamed'} classes into "
-                  f"{args.out}: {s['bytes'] / 1e6:.1f} MB in {s['seconds']:.1f} s")
+                  f"{args.out}: {s['bytes'] / 1e6:.1f} MB in {s['seconds']:.1f} s"
+                  + (f" ({s['records'] - len(s['untiled'])} tiled)" if s["tiles"] else ""))
+            if s["untiled"]:
+                print(f"stored {len(s['untiled'])} file(s) as they are (could not transcode them):", file=sys.stderr)
+                for path, why in s["untiled"][:20]:
+                    print(f"  {path}: {why}", file=sys.stderr)
             if s["skipped"]:
                 print(f"skipped {len(s['skipped'])} file(s):", file=sys.stderr)
                 for path, why in s["skipped"][:20]:
@@ -50,7 +60,8 @@ def main(args: argparse.Namespace) -> int:
                    "classes": ds.classes, "records_per_label": {int(k): int(v) for k, v in zip(labels, counts)},
                    "height": [int(ds.heights.min()), int(ds.heights.max())] if len(ds) else [],
                    "width": [int(ds.widths.min()), int(ds.widths.max())] if len(ds) else [],
-                   "created": ds.meta.get("created"), "source": ds.meta.get("source")}
+                   "created": ds.meta.get("created"), "source": ds.meta.get("source"),
+                   "tiles": bool(ds.meta.get("tiles", False)), "untiled": ds.meta.get("untiled", 0)}
             bad = ds.verify_all() if args.verify else None
             if bad is not None:
                 out["corrupted_records"] = bad
@@ -59,6 +70,8 @@ def main(args: argparse.Namespace) -> int:
         else:
             print(f"{out['file']}: {out['records']} records, {out['bytes'] / 1e6:.1f} MB, "
                   f"{len(out['classes']) or len(out['records_per_label'])} classes")
+            if out["tiles"]:
+                print(f"  tiled JPEGs (restart marker per MCU): {out['records'] - out['untiled']} of {out['records']}")
             if out["records"]:
                 print(f"  sizes: height {out['height'][0]}..{out['height'][1]}, width {out['width'][0]}..{out['width'][1]}")
             for k, v in out["records_per_label"].items():

@@ -33,34 +33,88 @@ IMAGENET_MEAN = np.array([0.485, 0.456, 0.406], np.float32)
 IMAGENET_STD = np.array([0.229, 0.224, 0.225], np.float32)
 
 
-# ---- parameter sampling (numpy; deterministic per image) ---------------------------------------
+# ---- parameter sampling (numpy, a whole batch at once; deterministic per image) ------------------
 
-def image_rng(seed: int, epoch: int, rank: int, index: int) -> np.random.Generator:
-    return np.random.default_rng(np.random.SeedSequence([seed, epoch, rank, index]))
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+DRAWS = 26  # uniforms per image: 10 crop tries x 2, crop position x 2, flip, 3 jitter factors
 
 
-def sample_rrc(rng: np.random.Generator, height: int, width: int, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
-    """Random-resized-crop box (y, x, h, w), as torchvision samples it: area uniform in `scale`,
-    log-aspect-ratio uniform in `ratio`, 10 tries, then the centre crop closest to `ratio`."""
-    area = height * width
+def _splitmix(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser on a uint64 array (wrapping arithmetic)."""
+    z = z + _GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def image_uniforms(seed: int, epoch: int, rank: int, indices, count: int = DRAWS) -> np.ndarray:
+    """(len(indices), count) float64 uniforms in [0, 1), a counter-based hash of (seed, epoch, rank,
+    index, draw): the same image gets the same draws whatever batch it lands in, and a batch costs
+    a few vectorised numpy operations instead of one generator per image."""
+    idx = np.asarray(indices, np.int64).astype(np.uint64).reshape(-1, 1)
+    key = np.array([seed, epoch, rank], np.int64).astype(np.uint64)
+    k = _splitmix(np.full(1, key[0]))
+    k = _splitmix(k ^ key[1])
+    k = _splitmix(k ^ key[2])
+    k = _splitmix(k ^ idx)
+    z = _splitmix(k + np.arange(1, count + 1, dtype=np.uint64) * _GOLDEN)
+    return (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def sample_rrc(u: np.ndarray, heights, widths, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)) -> np.ndarray:
+    """Random-resized-crop boxes (n, 4) int32 of (y, x, h, w), as torchvision samples them: area
+    uniform in `scale`, log-aspect-ratio uniform in `ratio`, 10 tries, then the centre crop closest
+    to `ratio`. u: (n, >= 22) uniforms (image_uniforms); columns 0-19 are the tries, 20-21 the
+    position."""
+    H = np.asarray(heights, np.float64)
+    W = np.asarray(widths, np.float64)
+    n = len(H)
+    area = H * W
     log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
-    for _ in range(10):
-        target = area * rng.uniform(scale[0], scale[1])
-        ar = math.exp(rng.uniform(log_lo, log_hi))
-        w = int(round(math.sqrt(target * ar)))
-        h = int(round(math.sqrt(target / ar)))
-        if 0 < w <= width and 0 < h <= height:
-            y = int(rng.integers(0, height - h + 1))
-            x = int(rng.integers(0, width - w + 1))
-            return y, x, h, w
-    in_ratio = width / height
-    if in_ratio < ratio[0]:
-        w, h = width, int(round(width / ratio[0]))
-    elif in_ratio > ratio[1]:
-        h, w = height, int(round(height * ratio[1]))
-    else:
-        w, h = width, height
-    return (height - h) // 2, (width - w) // 2, h, w
+    hs = np.zeros(n)
+    ws = np.zeros(n)
+    done = np.zeros(n, bool)
+    for t in range(10):
+        target = area * (scale[0] + (scale[1] - scale[0]) * u[:, 2 * t])
+        ar = np.exp(log_lo + (log_hi - log_lo) * u[:, 2 * t + 1])
+        w = np.rint(np.sqrt(target * ar))
+        h = np.rint(np.sqrt(target / ar))
+        ok = ~done & (w > 0) & (w <= W) & (h > 0) & (h <= H)
+        hs[ok], ws[ok] = h[ok], w[ok]
+        done |= ok
+    boxes = np.empty((n, 4), np.int32)
+    y = np.minimum(np.floor(u[:, 20] * (H - hs + 1)), H - hs)
+    x = np.minimum(np.floor(u[:, 21] * (W - ws + 1)), W - ws)
+    boxes[:] = np.stack([y, x, hs, ws], 1)
+    for i in np.flatnonzero(~done):  # rare: fall back to the centre crop
+        h, w = int(H[i]), int(W[i])
+        in_ratio = w / h
+        if in_ratio < ratio[0]:
+            cw, ch = w, int(round(w / ratio[0]))
+        elif in_ratio > ratio[1]:
+            ch, cw = h, int(round(h * ratio[1]))
+        else:
+            cw, ch = w, h
+        boxes[i] = ((h - ch) // 2, (w - cw) // 2, ch, cw)
+    return boxes
+
+
+def augment_params(u: np.ndarray, heights, widths, train: bool, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3),
+                   flip: bool = True, color_jitter=(0.0, 0.0, 0.0)):
+    """(boxes (n, 4) int32, flips (n,) uint8, jitter (n, 3) float32 of brightness/contrast/saturation
+    factors) for a batch; evaluation: centre crops, no flip, no jitter."""
+    n = len(heights)
+    jitter = np.ones((n, 3), np.float32)
+    if not train:
+        boxes = np.array([center_crop_box(int(h), int(w)) for h, w in zip(heights, widths)], np.int32).reshape(n, 4)
+        return boxes, np.zeros(n, np.uint8), jitter
+    boxes = sample_rrc(u, heights, widths, scale, ratio)
+    flips = ((u[:, 22] < 0.5) & flip).astype(np.uint8)
+    for c, j in enumerate(color_jitter):
+        if j > 0:
+            lo = max(0.0, 1 - j)
+            jitter[:, c] = lo + (1 + j - lo) * u[:, 23 + c]
+    return boxes, flips, jitter
 
 
 def center_crop_box(height: int, width: int, fraction: float = 0.875):

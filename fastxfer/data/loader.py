@@ -203,25 +203,20 @@ class Loader:
         off, n = int(rec["offset"]), int(rec["size"])
         return memoryview(self._blob)[off:off + n]
 
-    def _params(self, i: int):
-        """(box, flip, (brightness, contrast, saturation)) of record i this epoch: from a generator
-        seeded by (seed, epoch, rank, i), the same whichever decoder runs."""
-        h, w = int(self.ds.heights[i]), int(self.ds.widths[i])
-        if not self.train:
-            return K.center_crop_box(h, w), False, (1.0, 1.0, 1.0)
-        rng = K.image_rng(self.seed, self.epoch, self.rank, int(i))
-        box = K.sample_rrc(rng, h, w, self.scale, self.ratio)
-        flip = bool(self.flip and rng.random() < 0.5)
-        jitter = tuple(float(rng.uniform(max(0, 1 - j), 1 + j)) if j > 0 else 1.0 for j in self.color_jitter)
-        return box, flip, jitter
+    def params(self, idx) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(boxes (n, 4) of (y, x, h, w), flips (n,), jitter (n, 3)) for records idx this epoch:
+        drawn from (seed, epoch, rank, record), the same whichever decoder runs or batch holds them."""
+        idx = np.asarray(idx, np.int64)
+        u = K.image_uniforms(self.seed, self.epoch, self.rank, idx) if self.train else None
+        return K.augment_params(u, self.ds.heights[idx], self.ds.widths[idx], self.train, self.scale, self.ratio,
+                                self.flip, self.color_jitter)
 
-    def _one(self, i: int, slot: np.ndarray) -> bool:
+    def _one(self, i: int, box, flip: bool, jitter, slot: np.ndarray) -> bool:
         """Decode + augment record i into slot with simplejpeg + Numba; False if the record is bad."""
         h, w = int(self.ds.heights[i]), int(self.ds.widths[i])
         s = self.image_size
-        box, flip, (b, c, sat) = self._params(i)
         try:
-            img, box2 = decode(self._record(i), h, w, box, (s, s))
+            img, box2 = decode(self._record(i), h, w, tuple(int(v) for v in box), (s, s))
         except Exception as e:  # noqa: BLE001 - any decode failure means: this record is bad
             self._last_error = f"record {int(i)}: {e}"
             return False
@@ -229,18 +224,15 @@ class Loader:
         need = K.scratch_size(box2[2], s)
         if scratch is None or scratch.size < need:
             scratch = self._scratch.buf = np.empty(max(need, K.scratch_size(1024, s)), np.float32)
-        K.crop_resize_normalize_scratch(img, *box2, slot, flip, b, c, sat, self.mean, self.std, scratch)
+        b, c, sat = (float(v) for v in jitter)
+        K.crop_resize_normalize_scratch(img, *box2, slot, bool(flip), b, c, sat, self.mean, self.std, scratch)
         return True
 
-    def _native_batch(self, idx: np.ndarray, images: np.ndarray) -> list[bool]:
-        n = len(idx)
-        boxes = np.empty((n, 4), np.int32)
-        flips = np.zeros(n, np.uint8)
-        jitter = np.ones((n, 3), np.float32)
+    def _native_batch(self, idx: np.ndarray, params, images: np.ndarray) -> list[bool]:
+        boxes, flips, jitter = params
         records = []
         bad = {}
         for k, i in enumerate(idx):
-            boxes[k], flips[k], jitter[k] = self._params(int(i))
             try:
                 records.append(self._record(int(i)))
             except Exception as e:  # noqa: BLE001 - a checksum mismatch: this record is bad
@@ -273,10 +265,12 @@ class Loader:
             images = np.empty((n, s, s, 3), ml_dtypes.bfloat16)
         else:
             images = np.empty((n, s, s, 3), np.float32)
+        params = self.params(idx)
         if self._native is not None:
-            ok = self._native_batch(idx, images)
+            ok = self._native_batch(idx, params, images)
         else:
-            ok = list(self._pool.map(lambda k: self._one(idx[k], images[k]), range(n)))
+            boxes, flips, jitter = params
+            ok = list(self._pool.map(lambda k: self._one(idx[k], boxes[k], flips[k], jitter[k], images[k]), range(n)))
         labels = self.ds.labels[idx].astype(np.int32)
         good = [k for k in range(n) if ok[k]]
         if len(good) < n:
