@@ -1,5 +1,7 @@
 """The per-rank loader on real JPEGs: labels stay with their images (each class has its own
-colour), sharding, determinism, DCT-scaled decode, bad records, grayscale/CMYK, adapters, fuzz."""
+colour), sharding, determinism, DCT-scaled decode, bad records, grayscale/CMYK, adapters, fuzz.
+The behaviour tests run with both decoders (native C++ and simplejpeg + Numba) and, where the
+stored bytes matter, on tiled and byte-for-byte packs."""
 
 import os
 import subprocess
@@ -27,7 +29,12 @@ def solid(label, h, w, rng):
     return simplejpeg.encode_jpeg(img, quality=95)
 
 
-def build(tmp_path, n=40, sizes=((60, 80), (120, 90), (300, 400)), extra=()):
+@pytest.fixture(params=["native", "numba"])
+def decoder(request):
+    return request.param
+
+
+def build(tmp_path, n=40, sizes=((60, 80), (120, 90), (300, 400)), extra=(), tiles=True):
     rng = np.random.default_rng(0)
     items = []
     for i in range(n):
@@ -39,7 +46,7 @@ def build(tmp_path, n=40, sizes=((60, 80), (120, 90), (300, 400)), extra=()):
     for p, label in extra:
         items.append((p, label))
     out = tmp_path / "d.fxpack"
-    pack(items, str(out), [f"c{k}" for k in range(len(COLORS))], progress=False)
+    pack(items, str(out), [f"c{k}" for k in range(len(COLORS))], progress=False, tiles=tiles)
     return out
 
 
@@ -56,10 +63,12 @@ def loader(path, **kw):
     return Loader(str(path), mean=MEAN, std=STD, **kw)
 
 
-def test_labels_follow_their_images_train_and_eval(tmp_path):
+def test_labels_follow_their_images_train_and_eval(tmp_path, decoder):
     path = build(tmp_path)
     for train in (True, False):
-        ld = loader(path, batch_size=8, image_size=32, train=train, color_jitter=(0.2, 0.2, 0.2) if train else (0, 0, 0))
+        ld = loader(path, batch_size=8, image_size=32, train=train, color_jitter=(0.2, 0.2, 0.2) if train else (0, 0, 0),
+                    decoder=decoder)
+        assert ld.decoder == decoder
         n = 0
         for images, labels in ld:
             assert images.shape[1:] == (32, 32, 3) and images.dtype == np.float32 and labels.dtype == np.int32
@@ -100,12 +109,13 @@ def test_dct_scaled_decode_only_as_much_as_needed():
     assert same.shape[:2] == (1200, 1600) and box == (0, 0, 200, 200)
 
 
-def test_bad_records_are_skipped_counted_and_labels_stay_right(tmp_path):
+@pytest.mark.parametrize("tiles", [True, False])
+def test_bad_records_are_skipped_counted_and_labels_stay_right(tmp_path, decoder, tiles):
     noisy = np.random.default_rng(1).integers(0, 255, (200, 200, 3), dtype=np.uint8)
     good = simplejpeg.encode_jpeg(noisy, quality=95)
     broken = tmp_path / "broken.jpg"
     broken.write_bytes(good[: len(good) // 2])  # header fine, body cut: decoding fails
-    path = build(tmp_path, n=16, extra=[(str(broken), 2)])
+    path = build(tmp_path, n=16, extra=[(str(broken), 2)], tiles=tiles)
     # flip bytes inside one record: its checksum no longer matches
     from fastxfer.data import PackedDataset
 
@@ -114,7 +124,7 @@ def test_bad_records_are_skipped_counted_and_labels_stay_right(tmp_path):
     with open(path, "r+b") as f:
         f.seek(off)
         f.write(b"\xff\x00\xff")
-    ld = loader(path, batch_size=17, image_size=24, train=False)
+    ld = loader(path, batch_size=17, image_size=24, train=False, decoder=decoder)
     with pytest.warns(RuntimeWarning, match="skipped 2 unreadable record"):
         images, labels = ld.batch(0)
     assert ld.skipped == 2 and len(labels) == 17
@@ -122,7 +132,8 @@ def test_bad_records_are_skipped_counted_and_labels_stay_right(tmp_path):
     ld.close()
 
 
-def test_grayscale_and_cmyk(tmp_path):
+@pytest.mark.parametrize("tiles", [True, False])
+def test_grayscale_and_cmyk(tmp_path, decoder, tiles):
     gray = np.full((40, 40, 1), 120, np.uint8)
     (tmp_path / "g.jpg").write_bytes(simplejpeg.encode_jpeg(gray, quality=95, colorspace="GRAY"))
     cmyk = np.zeros((40, 40, 4), np.uint8)
@@ -130,17 +141,18 @@ def test_grayscale_and_cmyk(tmp_path):
     cmyk[..., 3] = 255
     (tmp_path / "c.jpg").write_bytes(simplejpeg.encode_jpeg(cmyk, quality=95, colorspace="CMYK"))
     out = tmp_path / "gc.fxpack"
-    pack([(str(tmp_path / "g.jpg"), 0), (str(tmp_path / "c.jpg"), 1)], str(out), progress=False)
-    ld = loader(out, batch_size=2, image_size=8, train=False)
+    pack([(str(tmp_path / "g.jpg"), 0), (str(tmp_path / "c.jpg"), 1)], str(out), progress=False, tiles=tiles)
+    ld = loader(out, batch_size=2, image_size=8, train=False, decoder=decoder)
     images, _ = ld.batch(0)
     np.testing.assert_allclose(images[0], 120, atol=2)
     assert abs(images[1][..., 0].mean() - 255) < 3 and images[1][..., 1].mean() < 3
     ld.close()
 
 
-def test_mixup_bf16_and_early_stop(tmp_path):
+def test_mixup_bf16_and_early_stop(tmp_path, decoder):
     path = build(tmp_path)
-    ld = loader(path, batch_size=8, image_size=16, mixup_alpha=0.4, label_smoothing=0.1, dtype="bfloat16")
+    ld = loader(path, batch_size=8, image_size=16, mixup_alpha=0.4, label_smoothing=0.1, dtype="bfloat16",
+                decoder=decoder)
     it = iter(ld)
     images, targets = next(it)
     assert images.dtype.name == "bfloat16" and targets.shape == (8, 4)
@@ -153,7 +165,8 @@ def test_mixup_bf16_and_early_stop(tmp_path):
         Loader(str(path), 4, rank=2, size=2)
 
 
-def test_fuzzed_jpegs_never_crash_the_loader(tmp_path):
+@pytest.mark.parametrize("tiles", [True, False])
+def test_fuzzed_jpegs_never_crash_the_loader(tmp_path, decoder, tiles):
     rng = np.random.default_rng(7)
     items = []
     for i in range(120):
@@ -167,8 +180,8 @@ def test_fuzzed_jpegs_never_crash_the_loader(tmp_path):
         p.write_bytes(bytes(data))
         items.append((str(p), label))
     out = tmp_path / "fuzz.fxpack"
-    pack(items, str(out), progress=False)  # files without a readable header are skipped here
-    ld = loader(out, batch_size=10, image_size=16, train=True)
+    pack(items, str(out), progress=False, tiles=tiles)  # files without a readable header are skipped here
+    ld = loader(out, batch_size=10, image_size=16, train=True, decoder=decoder)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         for images, labels in ld:

@@ -50,19 +50,36 @@ def test_pack_and_read_back(folder, tmp_path):
     out = tmp_path / "train.fxpack"
     r = run("data", "pack", str(src), str(out), "--no-progress")
     assert r.returncode == 0, r.stderr
-    assert "packed 6 images of 3 classes" in r.stdout
+    assert "packed 6 images of 3 classes" in r.stdout and "(6 tiled)" in r.stdout
     assert "skipped 2 file(s)" in r.stderr and "notes.txt: not a readable JPEG" in r.stderr
+    from fastxfer import _core
+
     with PackedDataset(str(out)) as ds:
         assert len(ds) == 6 and ds.classes == ["cat", "dog", "emu"]
         assert ds.labels.tolist() == [0, 0, 0, 1, 1, 2]
         assert list(zip(ds.heights.tolist(), ds.widths.tolist())) == [(h, w) for _, h, w, _ in files]
-        for i, (_, _, _, data) in enumerate(files):
-            assert bytes(ds.record(i)) == data
+        for i, (c, h, w, data) in enumerate(files):
+            rec = bytes(ds.record(i))
+            # a lossless transcode: other bytes (restart marker per MCU), the very same pixels
+            layout = _core.jpeg_tile_layout(rec)
+            assert rec != data and _core.jpeg_tile_layout(data) is None
+            assert layout["height"] == h and layout["width"] == w
+            assert layout["rows"] * layout["mcu_h"] >= h and (layout["rows"] - 1) * layout["mcu_h"] < h
+            colorspace = "GRAY" if c == "emu" else "RGB"
+            np.testing.assert_array_equal(simplejpeg.decode_jpeg(rec, colorspace=colorspace),
+                                          simplejpeg.decode_jpeg(data, colorspace=colorspace))
     info = json.loads(run("data", "info", str(out), "--json", "--verify").stdout)
     assert info["records"] == 6 and info["records_per_label"] == {"0": 3, "1": 2, "2": 1}
     assert info["corrupted_records"] == [] and info["height"] == [8, 64] and info["width"] == [8, 64]
+    assert info["tiles"] is True and info["untiled"] == 0
     text = run("data", "info", str(out)).stdout
-    assert "6 records" in text and "label 1 (dog): 2" in text
+    assert "6 records" in text and "label 1 (dog): 2" in text and "tiled JPEGs (restart marker per MCU): 6 of 6" in text
+    # --no-tiles stores every file byte for byte
+    plain = tmp_path / "plain.fxpack"
+    r = run("data", "pack", str(src), str(plain), "--no-progress", "--no-tiles", "--threads", "1")
+    assert r.returncode == 0 and "tiled" not in r.stdout
+    with PackedDataset(str(plain)) as ds:
+        assert [bytes(ds.record(i)) for i in range(6)] == [data for *_, data in files]
 
 
 def test_list_file_with_names_and_numbers(folder, tmp_path):

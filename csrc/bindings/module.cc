@@ -566,6 +566,7 @@ PYBIND11_MODULE(_core, m) {
         d["mcu_w"] = t.mcu_w;
         d["rows"] = t.rows;
         d["cols"] = t.cols;
+        d["subsampled"] = t.subsampled;
         return d;
       },
       py::arg("data"), "The MCU grid of a tiled JPEG (restart marker after every MCU), or None for any other data.");

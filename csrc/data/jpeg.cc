@@ -242,13 +242,15 @@ struct BatchDecoder::Worker {
       std::snprintf(err_.message, sizeof(err_.message), "the crop box lies outside the image");
       return err_.message;
     }
-    // A tiled record (restart marker after every MCU): cut the crop's MCUs, plus one on each side
-    // so chroma upsampling at the crop's edges sees the same neighbours, into a smaller JPEG.
+    // A tiled record (restart marker after every MCU): cut the crop's MCUs into a smaller JPEG,
+    // plus one MCU on each side when chroma is subsampled, so that its upsampling at the crop's
+    // edges sees the same neighbours as in the whole image (the pixels come out identical).
     if (tiles_enabled_ && parse_tile_layout(im.data, im.size, &layout_) && layout_.height == H &&
         layout_.width == W) {
       const TileLayout& t = layout_;
-      const int r0 = std::max(0, im.y / t.mcu_h - 1), r1 = std::min(t.rows, (im.y + im.h - 1) / t.mcu_h + 2);
-      const int c0 = std::max(0, im.x / t.mcu_w - 1), c1 = std::min(t.cols, (im.x + im.w - 1) / t.mcu_w + 2);
+      const int m = t.subsampled ? 1 : 0;
+      const int r0 = std::max(0, im.y / t.mcu_h - m), r1 = std::min(t.rows, (im.y + im.h - 1) / t.mcu_h + 1 + m);
+      const int c0 = std::max(0, im.x / t.mcu_w - m), c1 = std::min(t.cols, (im.x + im.w - 1) / t.mcu_w + 1 + m);
       build_tile_jpeg(im.data, t, r0, r1, c0, c1, &tile_);
       const int hs = std::min(H, r1 * t.mcu_h) - r0 * t.mcu_h, ws = std::min(W, c1 * t.mcu_w) - c0 * t.mcu_w;
       const int dy = r0 * t.mcu_h / f, dx = c0 * t.mcu_w / f;  // MCU sizes are multiples of 8 >= f
@@ -328,8 +330,12 @@ struct BatchDecoder::Worker {
     lib_->start_decompress(&cinfo_);
     const int H2 = static_cast<int>(cinfo_.output_height), W2 = static_cast<int>(cinfo_.output_width);
     if (y2 < 0 || x2 < 0 || y2 + h2 > H2 || x2 + w2 > W2) fail(&err_, "the crop box lies outside the image");
-    JDIMENSION xoff = static_cast<JDIMENSION>(x2), cw = static_cast<JDIMENSION>(w2);
-    lib_->crop_scanline(&cinfo_, &xoff, &cw);  // widens to whole iMCU columns
+    // Ask for one more column on each side: libjpeg-turbo upsamples subsampled chroma at the edges
+    // of a cropped scanline as if they were the image's edges, so those columns differ from a
+    // full decode. (It widens the request to whole iMCU columns anyway.)
+    const int xa = std::max(0, x2 - 1), xb = std::min(W2, x2 + w2 + 1);
+    JDIMENSION xoff = static_cast<JDIMENSION>(xa), cw = static_cast<JDIMENSION>(xb - xa);
+    lib_->crop_scanline(&cinfo_, &xoff, &cw);
     if (cinfo_.output_components != 4) fail(&err_, "unexpected number of output components");
     rows_.start(cw, x2 - static_cast<int>(xoff), cmyk);
     resampler_.run(rows_, y2, x2, h2, w2, oh, ow, aug, mean, std_, out, out_type);

@@ -33,12 +33,16 @@ bool parse_tile_layout(const uint8_t* d, size_t n, TileLayout* t) {
       t->width = be16(s + 3);
       components = s[5];
       if (components < 1 || plen < 6 + 3 * static_cast<size_t>(components)) return false;
+      int hmin = 16, vmin = 16;
       for (int c = 0; c < components; ++c) {
         const int hv = s[6 + 3 * c + 1];
         if ((hv >> 4) < 1 || (hv & 15) < 1) return false;
         hmax = std::max(hmax, hv >> 4);
         vmax = std::max(vmax, hv & 15);
+        hmin = std::min(hmin, hv >> 4);
+        vmin = std::min(vmin, hv & 15);
       }
+      t->subsampled = hmin != hmax || vmin != vmax;
       t->frame_size_at = p + 5;
       frame = true;
     } else if ((m >= 0xC2 && m <= 0xCF) && m != 0xC4 && m != 0xC8 && m != 0xCC) {

@@ -17,6 +17,7 @@ struct TileLayout {
   int height = 0, width = 0;  // image size in pixels
   int mcu_h = 0, mcu_w = 0;   // MCU size in pixels
   int rows = 0, cols = 0;     // MCUs down and across
+  bool subsampled = false;    // some component has fewer samples (its upsampling looks across MCUs)
   size_t frame_size_at = 0;   // offset of the 4 bytes of height, width in the SOF segment
   size_t data_at = 0;         // first byte of entropy-coded data
   // seg_end[k]: one past the last entropy byte of MCU k (k in scan order); MCU k starts at

@@ -1,0 +1,304 @@
+"""The native input pipeline: region-of-interest and tiled JPEG decoding (libjpeg-turbo from
+Pillow's wheel) fused with the C++ resampler, checked against the simplejpeg + Numba reference,
+across chroma subsampling, progressive files, threads and SIMD paths; the tiled format itself;
+and the errors when the decoder cannot run."""
+
+import io
+import warnings
+
+import numpy as np
+import pytest
+
+simplejpeg = pytest.importorskip("simplejpeg")
+pytest.importorskip("numba")
+Image = pytest.importorskip("PIL.Image")
+
+from fastxfer import _core  # noqa: E402
+from fastxfer.data import Loader, PackedDataset, pack  # noqa: E402
+from fastxfer.data import kernels as K  # noqa: E402
+from fastxfer.data.loader import libjpeg_path, native_decoder_status  # noqa: E402
+
+native_ok, native_why = native_decoder_status()
+needs_native = pytest.mark.skipif(not native_ok, reason=f"native decoder unavailable: {native_why}")
+
+
+def photo(h, w, seed):
+    """A smooth colour image with texture (compresses like a photo, unlike pure noise)."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    img = np.stack([128 + 100 * np.sin(x / (7 + seed) + y / 23), 128 + 90 * np.cos(y / (5 + seed)),
+                    (x * 3 + y * 2 + seed * 40) % 256], -1)
+    img += rng.normal(0, 12, img.shape)
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def encode(img, kind):
+    """JPEG bytes: '444' / '420' / '422' (PIL), 'progressive' (4:2:0), 'gray'."""
+    buf = io.BytesIO()
+    if kind == "gray":
+        Image.fromarray(img[..., 0]).save(buf, "JPEG", quality=90)
+    else:
+        sub = {"444": 0, "422": 1, "420": 2, "progressive": 2}[kind]
+        Image.fromarray(img).save(buf, "JPEG", quality=90, subsampling=sub, progressive=kind == "progressive")
+    return buf.getvalue()
+
+
+KINDS = ["444", "420", "422", "progressive", "gray"]
+SIZES = [(375, 500), (240, 180), (97, 131), (600, 800), (33, 47)]
+
+
+@pytest.fixture(scope="module")
+def packs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("native")
+    items = []
+    for i in range(30):
+        h, w = SIZES[i % len(SIZES)]
+        p = tmp / f"{i}.jpg"
+        p.write_bytes(encode(photo(h, w, i % 7), KINDS[i % len(KINDS)]))
+        items.append((str(p), i % 5))
+    tiled, plain = tmp / "tiled.fxpack", tmp / "plain.fxpack"
+    s = pack(items, str(tiled), progress=False, tiles=True) if native_ok else None
+    pack(items, str(plain), progress=False, tiles=False)
+    return tiled, plain, s
+
+
+def batches(path, **kw):
+    ld = Loader(str(path), kw.pop("batch_size", 10), rank=0, size=1, **kw)
+    try:
+        return [ld.batch(b) for b in range(len(ld))]
+    finally:
+        ld.close()
+
+
+@needs_native
+def test_pack_tiles_every_kind_losslessly(packs):
+    tiled, plain, summary = packs
+    assert summary["untiled"] == [] and summary["records"] == 30
+    with PackedDataset(str(tiled)) as t, PackedDataset(str(plain)) as p:
+        for i in range(len(t)):
+            a, b = bytes(t.record(i)), bytes(p.record(i))
+            layout = _core.jpeg_tile_layout(a)
+            assert layout is not None and _core.jpeg_tile_layout(b) is None
+            kind = KINDS[i % len(KINDS)]
+            assert (layout["mcu_h"], layout["mcu_w"]) == {"444": (8, 8), "420": (16, 16), "422": (8, 16),
+                                                          "progressive": (16, 16), "gray": (8, 8)}[kind]
+            assert layout["subsampled"] == (kind in ("420", "422", "progressive"))
+            cs = "GRAY" if kind == "gray" else "RGB"
+            np.testing.assert_array_equal(simplejpeg.decode_jpeg(a, colorspace=cs),
+                                          simplejpeg.decode_jpeg(b, colorspace=cs))
+
+
+@needs_native
+@pytest.mark.parametrize("train", [True, False])
+def test_native_matches_the_numba_reference(packs, train):
+    tiled, plain, _ = packs
+    kw = dict(image_size=48, train=train, color_jitter=(0.3, 0.3, 0.3) if train else (0, 0, 0), seed=4)
+    ref = batches(plain, decoder="numba", **kw)
+    for path in (tiled, plain):
+        got = batches(path, decoder="native", **kw)
+        for (x, y), (rx, ry) in zip(got, ref):
+            np.testing.assert_array_equal(y, ry)
+            # the same pixels, the same filter; only float summation order differs
+            np.testing.assert_allclose(x, rx, rtol=0, atol=2e-5)
+
+
+@needs_native
+def test_tiles_roi_and_threads_give_identical_bits(packs):
+    tiled, plain, _ = packs
+    kw = dict(image_size=40, train=True, seed=9)
+    base = batches(tiled, decoder="native", threads=1, **kw)
+    for path, threads, tiles in ((tiled, 2, True), (tiled, 1, False), (plain, 2, True)):
+        ld = Loader(str(path), 10, rank=0, size=1, decoder="native", threads=threads, **kw)
+        ld._native.set_tiles(tiles)
+        for b, (x, y) in enumerate(base):
+            bx, by = ld.batch(b)
+            np.testing.assert_array_equal(bx, x)
+            np.testing.assert_array_equal(by, y)
+        ld.close()
+
+
+@needs_native
+def test_native_bf16_is_the_rounded_float32_batch(packs):
+    from fastxfer import compress
+
+    tiled, _, _ = packs
+    f32 = batches(tiled, decoder="native", image_size=32, dtype="float32")
+    b16 = batches(tiled, decoder="native", image_size=32, dtype="bfloat16")
+    for (x, _), (h, _) in zip(f32, b16):
+        assert h.dtype.name == "bfloat16"
+        np.testing.assert_array_equal(h.view(np.uint16), compress(x, "bf16").view(np.uint16))
+
+
+def test_tile_layout_refuses_everything_else():
+    img = photo(64, 80, 1)
+    plain = encode(img, "420")
+    assert _core.jpeg_tile_layout(plain) is None
+    assert _core.jpeg_tile_layout(encode(img, "progressive")) is None
+    assert _core.jpeg_tile_layout(b"") is None and _core.jpeg_tile_layout(b"\xff\xd8") is None
+    assert _core.jpeg_tile_layout(np.random.default_rng(0).bytes(5000)) is None
+    with pytest.raises(ValueError, match="not a tiled JPEG"):
+        _core.jpeg_tile_crop(plain, 0, 1, 0, 1)
+
+
+@needs_native
+def test_tile_crop_is_a_valid_jpeg_with_the_same_interior():
+    dec = _core.JpegBatchDecoder(libjpeg_path(), 1)
+    img = photo(200, 260, 3)
+    for kind in ("444", "420"):
+        data = encode(img, kind)
+        t = dec.transcode(data)
+        layout = _core.jpeg_tile_layout(t)
+        m = layout["mcu_h"]
+        full = simplejpeg.decode_jpeg(data)
+        crop = simplejpeg.decode_jpeg(_core.jpeg_tile_crop(t, 2, 5, 3, 9))
+        assert crop.shape == (3 * m, 6 * m, 3)
+        # 4:4:4 cuts exactly; with subsampled chroma only the outermost pixels may differ
+        edge = 0 if kind == "444" else m // 2
+        np.testing.assert_array_equal(crop[edge:3 * m - edge, edge:6 * m - edge],
+                                      full[2 * m + edge:5 * m - edge, 3 * m + edge:9 * m - edge])
+        # the last row and column (partial MCUs) come out with the image's own size
+        last = simplejpeg.decode_jpeg(_core.jpeg_tile_crop(t, layout["rows"] - 1, layout["rows"], 0, layout["cols"]))
+        assert last.shape == (200 - (layout["rows"] - 1) * m, 260, 3)
+        with pytest.raises(ValueError, match="outside the"):
+            _core.jpeg_tile_crop(t, 0, layout["rows"] + 1, 0, 1)
+    # mutated tiled files: parsing never reads out of bounds or crashes
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        b = bytearray(t)
+        for _ in range(int(rng.integers(1, 8))):
+            b[int(rng.integers(0, len(b)))] = int(rng.integers(0, 256))
+        if rng.random() < 0.3:
+            b = b[: int(rng.integers(0, len(b)))]
+        layout = _core.jpeg_tile_layout(bytes(b))
+        assert layout is None or layout["rows"] * layout["cols"] > 0
+
+
+@needs_native
+def test_transcode_errors_and_damaged_files_kept_as_they_are(tmp_path):
+    dec = _core.JpegBatchDecoder(libjpeg_path(), 1)
+    with pytest.raises(RuntimeError, match="Not a JPEG file"):
+        dec.transcode(b"GIF89a....")
+    good = encode(photo(120, 160, 2), "420")
+    cut = tmp_path / "cut.jpg"
+    cut.write_bytes(good[: len(good) // 2])
+    ok = tmp_path / "ok.jpg"
+    ok.write_bytes(good)
+    s = pack([(str(ok), 0), (str(cut), 1)], str(tmp_path / "p.fxpack"), progress=False)
+    assert s["records"] == 2 and [p for p, _ in s["untiled"]] == [str(cut)]
+    assert "Premature end" in s["untiled"][0][1] or "ended" in s["untiled"][0][1]
+    with PackedDataset(str(tmp_path / "p.fxpack")) as ds:
+        assert bytes(ds.record(1)) == good[: len(good) // 2] and ds.meta["untiled"] == 1
+
+
+def test_resampler_simd_paths_agree_bit_for_bit_and_match_numba():
+    rng = np.random.default_rng(11)
+    mean, std = K.IMAGENET_MEAN, K.IMAGENET_STD
+    cases = [((375, 500, 3), (10, 20, 300, 400), (224, 224), False, (1, 1, 1)),
+             ((375, 500, 3), (0, 0, 100, 120), (224, 221), True, (1.2, 1, 1)),
+             ((375, 500, 1), (5, 7, 360, 480), (37, 61), True, (0.8, 1.3, 0.7)),
+             ((20, 30, 4), (3, 3, 1, 1), (5, 7), True, (1, 1, 1)),
+             ((900, 40, 3), (0, 0, 900, 40), (16, 16), False, (1, 1, 1))]
+    levels = [lv for lv in _core.supported_simd_levels() if lv in ("scalar", "avx512")]
+    saved = _core.simd_level()
+    try:
+        for shape, box, (oh, ow), flip, jit in cases:
+            img = rng.integers(0, 256, shape, dtype=np.uint8)
+            outs = []
+            for lv in levels:
+                _core._set_simd_level(lv)
+                out = np.zeros((oh, ow, 3), np.float32)
+                _core.resize_normalize(img, *box, out, flip, *jit, mean, std)
+                outs.append(out)
+            for o in outs[1:]:
+                np.testing.assert_array_equal(o, outs[0])
+            ref = np.zeros((oh, ow, 3), np.float32)
+            src = img[..., :3] if shape[2] == 4 else img
+            K.crop_resize_normalize(np.ascontiguousarray(src), *box, ref, flip, *jit, mean, std)
+            np.testing.assert_allclose(outs[0], ref, rtol=0, atol=2e-5)
+    finally:
+        _core._set_simd_level(saved)
+
+
+def test_resampler_bf16_output_and_argument_errors():
+    from fastxfer import compress
+
+    img = np.random.default_rng(2).integers(0, 256, (50, 60, 3), dtype=np.uint8)
+    mean, std = K.IMAGENET_MEAN, K.IMAGENET_STD
+    f = np.zeros((24, 24, 3), np.float32)
+    h = np.zeros((24, 24, 3), np.uint16)
+    for jit in ((1, 1, 1), (1.1, 0.7, 1.4)):
+        _core.resize_normalize(img, 2, 3, 40, 50, f, True, *jit, mean, std)
+        _core.resize_normalize(img, 2, 3, 40, 50, h, True, *jit, mean, std)
+        np.testing.assert_array_equal(h, compress(f, "bf16").view(np.uint16))
+    with pytest.raises(TypeError, match="out must have dtype float32 or bfloat16, not float64"):
+        _core.resize_normalize(img, 0, 0, 10, 10, np.zeros((4, 4, 3)), False, 1, 1, 1, mean, std)
+    with pytest.raises(ValueError, match=r"crop box \(y0=45, x0=0, h=10, w=10\) is not inside the 50x60 image"):
+        _core.resize_normalize(img, 45, 0, 10, 10, f, False, 1, 1, 1, mean, std)
+    with pytest.raises(ValueError, match="C = 1, 3 or 4"):
+        _core.resize_normalize(np.zeros((4, 4, 2), np.uint8), 0, 0, 2, 2, f, False, 1, 1, 1, mean, std)
+    with pytest.raises(ValueError, match="std must be non-zero"):
+        _core.resize_normalize(img, 0, 0, 10, 10, f, False, 1, 1, 1, mean, np.zeros(3, np.float32))
+
+
+def test_decoder_unavailable_is_a_clear_error_or_a_warned_fallback(packs, tmp_path, monkeypatch):
+    _, plain, _ = packs
+    monkeypatch.setenv("FASTXFER_LIBJPEG", str(tmp_path / "no-such-libjpeg.so"))
+    with pytest.raises(RuntimeError, match=r"native JPEG decoder is not available: .*no-such-libjpeg\.so.*"
+                                           r"decoder='numba'"):
+        Loader(str(plain), 4, rank=0, size=1, decoder="native")
+    with pytest.warns(RuntimeWarning, match="native JPEG decoder unavailable"):
+        ld = Loader(str(plain), 4, rank=0, size=1)
+    assert ld.decoder == "numba" and ld.batch(0)[0].shape == (4, 224, 224, 3)
+    ld.close()
+    import ctypes.util
+
+    libz = ctypes.util.find_library("z")
+    if libz:
+        with pytest.raises(RuntimeError, match="has no jpeg_std_error: it is not libjpeg-turbo"):
+            _core.JpegBatchDecoder(libz, 1)
+    with pytest.raises(ValueError, match="decoder must be 'auto', 'native' or 'numba'"):
+        Loader(str(plain), 4, rank=0, size=1, decoder="turbo")
+
+
+@needs_native
+def test_images_over_the_pixel_limit_are_skipped_with_the_reason(packs):
+    tiled, _, _ = packs
+    ld = Loader(str(tiled), 10, rank=0, size=1, train=False, decoder="native", image_size=16,
+                max_pixels=200 * 200)
+    with pytest.warns(RuntimeWarning, match="over the limit of 40000"):
+        x, y = ld.batch(0)
+    assert ld.skipped > 0 and np.isfinite(x).all()
+    ld.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ld = Loader(str(tiled), 10, rank=0, size=1, train=False, decoder="native", image_size=16)
+        ld.batch(0)
+        assert ld.skipped == 0
+        ld.close()
+
+
+@needs_native
+@pytest.mark.parametrize("tiled", [False, True])
+def test_native_crops_are_exactly_the_full_decode(tiled):
+    """A crop resized to its own size is the identity filter: the decoded region must equal the
+    same region of a whole-image decode, bit for bit, at every position (chroma upsampling at the
+    crop's edges included), for every kind of JPEG, by region of interest and by tiles."""
+    dec = _core.JpegBatchDecoder(libjpeg_path(), 1)
+    mean, std = np.zeros(3, np.float32), np.full(3, 1 / 255, np.float32)
+    rng = np.random.default_rng(0)
+    for kind in KINDS:
+        for H, W in ((97, 131), (96, 128), (160, 200)):
+            data = encode(photo(H, W, 2), kind)
+            full = simplejpeg.decode_jpeg(data)
+            if tiled:
+                data = dec.transcode(data)
+                assert _core.jpeg_tile_layout(data) is not None
+            for _ in range(12):
+                h, w = int(rng.integers(1, H + 1)), int(rng.integers(1, W + 1))
+                y, x = int(rng.integers(0, H - h + 1)), int(rng.integers(0, W - w + 1))
+                out = np.zeros((1, h, w, 3), np.float32)
+                err = dec.decode_batch([data], np.array([H], np.int32), np.array([W], np.int32),
+                                       np.array([(y, x, h, w)], np.int32), np.zeros(1, np.uint8),
+                                       np.ones((1, 3), np.float32), mean, std, out)
+                assert err == [""]
+                np.testing.assert_array_equal(out[0], full[y:y + h, x:x + w], err_msg=f"{kind} {(y, x, h, w)}")
