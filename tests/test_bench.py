@@ -60,7 +60,16 @@ def test_bench_pipeline_smoke(tmp_path):
     r = subprocess.run(_fastxfer() + ["bench", "pipeline", "--images", "8", "--reps", "1", "--batch", "4", "--no-tf",
                                       "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    rows = json.loads(out.read_text())["rows"]
+    res = json.loads(out.read_text())
+    rows = res["rows"]
     assert {row["set"] for row in rows} == {"500x375", "1000x750"}
-    assert all(row["images_s"] > 0 for row in rows)
-    assert any(row["pipeline"] == "fastxfer Loader" and row["mode"] == "train" for row in rows)
+    assert all(row["images_s"] > 0 and row["cpu"] > 0 for row in rows)
+    assert any(row["pipeline"] == "fastxfer Loader, simplejpeg + Numba" and row["mode"] == "train" for row in rows)
+    from fastxfer.data.loader import native_decoder_status
+
+    if native_decoder_status()[0]:
+        assert any(row["pipeline"] == "fastxfer Loader" and row["mode"] == "train" for row in rows)
+        assert any(row["pipeline"].startswith("fastxfer decode of the crops alone") for row in rows)
+        assert [k["kernel"] for k in res["kernels"]][0] == "fastxfer C++ resampler"
+        assert res["kernels"][0]["vs_cpp"] == 1.0 and all(k["us_per_image"] > 0 for k in res["kernels"])
+    assert {t["target"] for t in res["targets"]} >= {"train, 500x375: >= 70% of decode alone"}

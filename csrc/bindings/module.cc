@@ -640,6 +640,8 @@ PYBIND11_MODULE(_core, m) {
           py::arg("data"),
           "Lossless transcode of a JPEG to fastxfer's tiled form (a restart marker after every MCU); raises "
           "RuntimeError with libjpeg's reason when it cannot.")
+      .def("set_decode_only", &data::BatchDecoder::set_decode_only, py::arg("on"),
+           "Benchmark switch: decode the rows each crop needs and drop them (no resampling; out is not written).")
       .def("set_tiles", &data::BatchDecoder::set_tiles, py::arg("on"),
            "False decodes tiled records by region of interest, as untiled ones (for tests and benchmarks).")
       .def(

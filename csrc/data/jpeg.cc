@@ -55,6 +55,7 @@ std::vector<std::string> BatchDecoder::decode_batch(const std::vector<JpegImage>
 }
 std::vector<uint8_t> BatchDecoder::transcode(const uint8_t*, size_t) { throw std::runtime_error(jpeg_support_note()); }
 void BatchDecoder::set_tiles(bool) {}
+void BatchDecoder::set_decode_only(bool) {}
 
 #else  // FASTXFER_HAVE_JPEGLIB
 
@@ -261,6 +262,7 @@ struct BatchDecoder::Worker {
   }
 
   void set_tiles(bool on) { tiles_enabled_ = on; }
+  void set_decode_only(bool on) { decode_only_ = on; }
 
   // Lossless transcode to a tiled JPEG (see jpeg_tiles.h): same coefficients, optimised Huffman
   // tables, a restart marker after every MCU. Returns nullptr and fills `out`, or the reason.
@@ -338,7 +340,12 @@ struct BatchDecoder::Worker {
     lib_->crop_scanline(&cinfo_, &xoff, &cw);
     if (cinfo_.output_components != 4) fail(&err_, "unexpected number of output components");
     rows_.start(cw, x2 - static_cast<int>(xoff), cmyk);
-    resampler_.run(rows_, y2, x2, h2, w2, oh, ow, aug, mean, std_, out, out_type);
+    if (decode_only_) {  // benchmark: the rows the crop needs, decoded and dropped
+      scratch_.resize(rows_.slot_bytes());
+      for (int r = y2; r < y2 + h2; ++r) rows_.read_row(r, scratch_.data());
+    } else {
+      resampler_.run(rows_, y2, x2, h2, w2, oh, ow, aug, mean, std_, out, out_type);
+    }
     lib_->abort_decompress(&cinfo_);  // the rows below the crop are never decoded
     return nullptr;
   }
@@ -351,6 +358,8 @@ struct BatchDecoder::Worker {
   JpegRows rows_;
   Resampler resampler_;
   bool tiles_enabled_ = true;
+  bool decode_only_ = false;
+  std::vector<uint8_t> scratch_;
   TileLayout layout_;
   std::vector<uint8_t> tile_;
   jpeg_compress_struct tc_;
@@ -394,6 +403,11 @@ std::vector<uint8_t> BatchDecoder::transcode(const uint8_t* data, size_t size) {
 void BatchDecoder::set_tiles(bool on) {
   std::lock_guard<std::mutex> own(pool_->pool.owner());
   for (auto& w : workers_) w->set_tiles(on);
+}
+
+void BatchDecoder::set_decode_only(bool on) {
+  std::lock_guard<std::mutex> own(pool_->pool.owner());
+  for (auto& w : workers_) w->set_decode_only(on);
 }
 
 const std::string& BatchDecoder::library_path() const { return lib_->path(); }

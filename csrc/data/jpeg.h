@@ -59,6 +59,8 @@ class BatchDecoder {
 
   // Testing/benchmark switch: false decodes tiled records the ordinary way (region of interest).
   void set_tiles(bool on);
+  // Benchmark switch: decode the rows each crop needs and drop them (no resampling, out untouched).
+  void set_decode_only(bool on);
 
  private:
   struct Worker;

@@ -246,6 +246,17 @@ def run(n: int, reps: int, batch: int, tf_peer: bool = True) -> dict:
                             pass
                     add(name, mode, t, _timed(go, len(ld) * batch, reps))
                     ld.close()
+                if train and native_ok:  # the decoder's own share: the same crops, decoded, not resampled
+                    ld = Loader(packed, batch, image_size=224, train=True, threads=1, rank=0, size=1, prefetch=2,
+                                decoder="native")
+                    ld._native.set_decode_only(True)
+
+                    def go(ld=ld):
+                        for _ in ld:
+                            pass
+                    add("fastxfer decode of the crops alone (no resampling)", "decode", 1,
+                        _timed(go, len(ld) * batch, reps))
+                    ld.close()
                 tf_res = _tf_rate(files, reps, train, tmp) if tf_peer else None
                 if tf_res:
                     add("tf.data (decode_and_crop, resize, flip, normalise)", mode, 1,
