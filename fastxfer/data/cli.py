@@ -39,7 +39,7 @@ def main(args: argparse.Namespace) -> int:
             else:
                 raise FastxferError(f"{args.src}: no such folder or list file")
             s = pack(items, args.out, classes, progress=not args.no_progress, source=os.path.abspath(args.src),
-                     tiles=not args.no_tiles, threads=args.threads)
+                     tiles=False if args.no_tiles else None, threads=args.threads)
             print(f"packed {s['records']} images of {max(s['classes'], 1) if classes else 'unnamed'} classes into "
                   f"{args.out}: {s['bytes'] / 1e6:.1f} MB in {s['seconds']:.1f} s"
                   + (f" ({s['records'] - len(s['untiled'])} tiled)" if s["tiles"] else ""))

@@ -126,9 +126,10 @@ def _read(path: str):
 
 
 def pack(items: Iterable[tuple[str, int]], out: str, classes: list[str] | None = None, progress: bool = True,
-         source: str = "", tiles: bool = True, threads: int | None = None) -> dict:
+         source: str = "", tiles: bool | None = None, threads: int | None = None) -> dict:
     """Write `items` ((path, label) pairs) into `out` atomically. Non-JPEG or unreadable files are
-    skipped and counted. With `tiles` (the default) every JPEG is transcoded losslessly (the same
+    skipped and counted. With `tiles` (the default when the native decoder can run here; None
+    means: tile if possible, else warn and store as is) every JPEG is transcoded losslessly (the same
     DCT coefficients, so the same pixels) to a baseline JPEG with optimised Huffman tables and a
     restart marker after every MCU, which lets the loader entropy-decode only a crop's MCUs; files
     that cannot be transcoded (damaged data) are stored as they are. Metadata segments (EXIF, ICC)
@@ -137,6 +138,16 @@ def pack(items: Iterable[tuple[str, int]], out: str, classes: list[str] | None =
     from concurrent.futures import ThreadPoolExecutor
 
     items = list(items)
+    if tiles is None:
+        from fastxfer.data.loader import native_decoder_status
+
+        ok, why = native_decoder_status()
+        if not ok:
+            import warnings
+
+            warnings.warn(f"fastxfer.data.pack: storing JPEGs untiled: the native decoder is unavailable ({why})",
+                          RuntimeWarning, stacklevel=2)
+        tiles = ok
     tiler = _Tiler() if tiles else None
     threads = max(1, threads or len(os.sched_getaffinity(0)))
     untiled: list[tuple[str, str]] = []
