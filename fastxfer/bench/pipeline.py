@@ -16,6 +16,7 @@ quality 90. Photos smaller than 1000x750 are scaled up for that set.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import io
 import json
 import os
@@ -146,7 +147,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import numpy as np, tensorflow as tf
 tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(1)
-path, reps, train = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+path, train = sys.argv[1], sys.argv[2] == "1"
 jpegs = json.load(open(path))["files"]
 data = [open(f, "rb").read() for f in jpegs]
 mean = tf.constant([0.485, 0.456, 0.406]) * 255
@@ -163,10 +164,10 @@ def train_map(b):
     img = tf.image.random_flip_left_right(img)
     return (img - mean) / std
 def eval_map(b):
-    img = tf.io.decode_jpeg(b, channels=3)
-    s = tf.shape(img)
+    s = tf.io.extract_jpeg_shape(b)
     side = tf.cast(tf.cast(tf.minimum(s[0], s[1]), tf.float32) * 0.875, tf.int32)
-    img = tf.image.crop_to_bounding_box(img, (s[0] - side) // 2, (s[1] - side) // 2, side, side)
+    window = tf.stack([(s[0] - side) // 2, (s[1] - side) // 2, side, side])
+    img = tf.io.decode_and_crop_jpeg(b, window, channels=3)
     img = tf.image.resize(img, (224, 224), method="bilinear")
     return (img - mean) / std
 ds = tf.data.Dataset.from_tensor_slices(data).map(train_map if train else eval_map, num_parallel_calls=1).batch(32)
@@ -174,30 +175,81 @@ opts = tf.data.Options(); opts.threading.private_threadpool_size = 1; opts.autot
 ds = ds.with_options(opts)
 def run():
     for _ in ds: pass
-run()
-ts, cs = [], []
-for _ in range(reps):
-    c0, t0 = cpu(), time.perf_counter(); run(); ts.append(time.perf_counter() - t0); cs.append((cpu() - c0) / ts[-1])
-print("FASTXFER_JSON " + json.dumps({"rate": len(data) / statistics.median(ts), "cpu": statistics.median(cs),
-                                     "version": tf.__version__}))
+run()  # warm-up (tracing)
+print("READY " + tf.__version__, flush=True)
+for line in sys.stdin:  # one timed pass per request, so the parent can interleave the peers
+    if line.strip() != "run":
+        break
+    c0, t0 = cpu(), time.perf_counter(); run(); t = time.perf_counter() - t0
+    print(json.dumps({"seconds": t, "cpu_seconds": cpu() - c0}), flush=True)
 """
 
 
-def _tf_rate(files: list[str], reps: int, train: bool, tmp: str):
-    import importlib.util
+class _Peer:
+    """One contender of an interleaved measurement: rep() runs one timed pass over the set."""
 
-    if importlib.util.find_spec("tensorflow") is None:
-        return None
-    listing = os.path.join(tmp, "files.json")
-    with open(listing, "w") as f:
-        json.dump({"files": files}, f)
-    r = subprocess.run([sys.executable, "-c", _TF_CHILD, listing, str(reps), "1" if train else "0"],
-                       capture_output=True, text=True, timeout=1800, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
-    for line in r.stdout.splitlines():
-        if line.startswith("FASTXFER_JSON "):
-            return json.loads(line[len("FASTXFER_JSON "):])
-    status(f"tf.data failed: {r.stderr.strip().splitlines()[-1:]}")
-    return None
+    def __init__(self, name, mode, threads, images, fn=None, version=""):
+        self.name, self.mode, self.threads, self.images, self.fn, self.version = name, mode, threads, images, fn, version
+        self.times, self.cpus = [], []
+
+    def rep(self, record=True):
+        c0, t0 = time.process_time(), time.perf_counter()
+        self.fn()
+        dt = time.perf_counter() - t0
+        if record:
+            self.times.append(dt)
+            self.cpus.append((time.process_time() - c0) / dt)
+
+    def close(self):
+        pass
+
+
+class _TfPeer(_Peer):
+    """tf.data in a child process (its own threads settings), one pass per request on stdin."""
+
+    def __init__(self, files, train, tmp):
+        listing = os.path.join(tmp, "files.json")
+        with open(listing, "w") as f:
+            json.dump({"files": files}, f)
+        self.proc = subprocess.Popen([sys.executable, "-c", _TF_CHILD, listing, "1" if train else "0"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+        version = ""
+        for line in self.proc.stdout:
+            if line.startswith("READY "):
+                version = line.split()[1]
+                break
+        else:
+            err = self.proc.stderr.read().strip().splitlines()[-1:] if self.proc.stderr else []
+            raise RuntimeError(f"tf.data peer failed: {err}")
+        super().__init__("tf.data (decode_and_crop, resize, flip, normalise)", "train" if train else "eval", 1,
+                         len(files), version=version)
+
+    def rep(self, record=True):
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        r = json.loads(self.proc.stdout.readline())
+        if record:
+            self.times.append(r["seconds"])
+            self.cpus.append(r["cpu_seconds"] / r["seconds"])
+
+    def close(self):
+        try:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+
+
+def _measure(peers: list[_Peer], reps: int) -> None:
+    """Warm every peer up, then time them round-robin: each round runs every peer once, so slow
+    and fast periods of a shared machine fall on all of them alike."""
+    for p in peers:
+        p.rep(record=False)
+    for _ in range(reps):
+        for p in peers:
+            p.rep()
 
 
 def run(n: int, reps: int, batch: int, tf_peer: bool = True) -> dict:
@@ -231,40 +283,45 @@ def run(n: int, reps: int, batch: int, tf_peer: bool = True) -> dict:
                 rows.append({"set": label, "pipeline": pipe, "mode": mode, "threads": threads, "images_s": rate,
                              "per_core": rate / threads, "cpu": busy, "version": version})
 
-            add("libjpeg-turbo decode alone (simplejpeg)", "decode", 1,
-                _timed(lambda: [simplejpeg.decode_jpeg(d) for d in jpegs], n, reps))
+            peers = [_Peer("libjpeg-turbo decode alone (simplejpeg)", "decode", 1, n,
+                           lambda: [simplejpeg.decode_jpeg(d) for d in jpegs])]
+            loaders = []
             for train in (True, False):
                 mode = "train" if train else "eval"
                 configs = [("fastxfer Loader", "native", t) for t in sorted({1, cpus}) if native_ok]
                 configs.append(("fastxfer Loader, simplejpeg + Numba", "numba", 1))
+                if train and native_ok:  # the decoder's own share: the same crops, decoded, not resampled
+                    configs.append(("fastxfer decode of the crops alone (no resampling)", "decode-only", 1))
                 for name, decoder, t in configs:
                     ld = Loader(packed, batch, image_size=224, train=train, threads=t, rank=0, size=1, prefetch=2,
-                                decoder=decoder)
+                                decoder="native" if decoder == "decode-only" else decoder)
+                    if decoder == "decode-only":
+                        ld._native.set_decode_only(True)
+                    loaders.append(ld)
 
                     def go(ld=ld):
                         for _ in ld:
                             pass
-                    add(name, mode, t, _timed(go, len(ld) * batch, reps))
-                    ld.close()
-                if train and native_ok:  # the decoder's own share: the same crops, decoded, not resampled
-                    ld = Loader(packed, batch, image_size=224, train=True, threads=1, rank=0, size=1, prefetch=2,
-                                decoder="native")
-                    ld._native.set_decode_only(True)
-
-                    def go(ld=ld):
-                        for _ in ld:
-                            pass
-                    add("fastxfer decode of the crops alone (no resampling)", "decode", 1,
-                        _timed(go, len(ld) * batch, reps))
-                    ld.close()
-                tf_res = _tf_rate(files, reps, train, tmp) if tf_peer else None
-                if tf_res:
-                    add("tf.data (decode_and_crop, resize, flip, normalise)", mode, 1,
-                        (tf_res["rate"], tf_res.get("cpu", float("nan"))), tf_res["version"])
+                    peers.append(_Peer(name, "decode" if decoder == "decode-only" else mode, t, len(ld) * batch, go))
+                if tf_peer and importlib.util.find_spec("tensorflow") is not None:
+                    try:
+                        peers.append(_TfPeer(files, train, tmp))
+                    except RuntimeError as e:
+                        status(str(e))
                 try:
-                    add("PIL + numpy", mode, 1, _timed(_pil_pipeline(jpegs, train), n, reps))
+                    peers.append(_Peer("PIL + numpy", mode, 1, n, _pil_pipeline(jpegs, train)))
                 except ImportError:
                     pass
+            try:
+                _measure(peers, reps)
+            finally:
+                for p in peers:
+                    p.close()
+                for ld in loaders:
+                    ld.close()
+            for p in peers:
+                dt = statistics.median(p.times)
+                add(p.name, p.mode, p.threads, (p.images / dt, statistics.median(p.cpus)), p.version)
             if label == "500x375" and native_ok:
                 status("resampling kernels alone")
                 kernels = _kernel_rows(jpegs, reps)
