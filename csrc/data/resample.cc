@@ -117,15 +117,41 @@ void row_portable_fn(float* dst, const float* acc, const int32_t* fx, const floa
 }
 
 #if FASTXFER_RESAMPLE_AVX512
+FASTXFER_AVX512_TARGET inline __m512 bytes_to_ps(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+FASTXFER_AVX512_TARGET inline __m512 bytes_to_ps(const uint8_t* p, __mmask16 m) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, p)));
+}
+
+// The vertical pass with fused multiply-adds, 32 floats per step (two independent chains).
 FASTXFER_AVX512_TARGET void vertical_avx512(float* acc, const uint8_t* const* rows, const float* w, int n,
                                             size_t len) {
-  vertical_body(acc, rows, w, n, len);
+  const __m512 w0 = _mm512_set1_ps(w[0]);
+  size_t j = 0;
+  for (; j + 32 <= len; j += 32) {
+    __m512 a = _mm512_mul_ps(w0, bytes_to_ps(rows[0] + j));
+    __m512 b = _mm512_mul_ps(w0, bytes_to_ps(rows[0] + j + 16));
+    for (int k = 1; k < n; ++k) {
+      const __m512 wk = _mm512_set1_ps(w[k]);
+      a = _mm512_fmadd_ps(wk, bytes_to_ps(rows[k] + j), a);
+      b = _mm512_fmadd_ps(wk, bytes_to_ps(rows[k] + j + 16), b);
+    }
+    _mm512_storeu_ps(acc + j, a);
+    _mm512_storeu_ps(acc + j + 16, b);
+  }
+  for (; j < len; j += 16) {
+    const __mmask16 m = len - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (len - j)) - 1);
+    __m512 a = _mm512_mul_ps(w0, bytes_to_ps(rows[0] + j, m));
+    for (int k = 1; k < n; ++k) a = _mm512_fmadd_ps(_mm512_set1_ps(w[k]), bytes_to_ps(rows[k] + j, m), a);
+    _mm512_mask_storeu_ps(acc + j, m, a);
+  }
 }
 
 FASTXFER_AVX512_TARGET inline __m512 taps_avx512(const float* a, const float* w, int blocks) {
   __m512 v = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(w));
-  for (int z = 1; z < blocks; ++z)
-    v = _mm512_add_ps(v, _mm512_mul_ps(_mm512_loadu_ps(a + 16 * z), _mm512_loadu_ps(w + 16 * z)));
+  for (int z = 1; z < blocks; ++z) v = _mm512_fmadd_ps(_mm512_loadu_ps(a + 16 * z), _mm512_loadu_ps(w + 16 * z), v);
   return v;
 }
 
@@ -185,11 +211,12 @@ void make_taps(int start, int length, int out_len, Taps* t) {
   t->first.assign(out_len, 0);
   t->count.assign(out_len, 0);
   t->w.assign(static_cast<size_t>(out_len) * kmax, 0.0f);
-  const int end = start + length;
+  // Geometry relative to `start`, so the weights do not depend on where the crop lies (a tile
+  // cut and the whole image give the same bits).
   for (int o = 0; o < out_len; ++o) {
-    const double center = start + (o + 0.5) * scale;
-    const int lo = std::max(static_cast<int>(center - support + 0.5), start);
-    const int hi = std::min(static_cast<int>(center + support + 0.5), end);
+    const double center = (o + 0.5) * scale;
+    const int lo = std::max(static_cast<int>(center - support + 0.5), 0);
+    const int hi = std::min(static_cast<int>(center + support + 0.5), length);
     const int n = std::max(0, std::min(hi - lo, kmax));
     float* w = &t->w[static_cast<size_t>(o) * kmax];
     double total = 0.0;
@@ -201,7 +228,7 @@ void make_taps(int start, int length, int out_len, Taps* t) {
     }
     if (total > 0.0)
       for (int k = 0; k < n; ++k) w[k] = static_cast<float>(static_cast<double>(w[k]) / total);
-    t->first[o] = lo;
+    t->first[o] = start + lo;
     t->count[o] = n;
   }
   // Keep only as many taps per output as the widest one uses (the rest are zero weights).

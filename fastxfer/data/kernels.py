@@ -137,9 +137,9 @@ def _weights(start, length, out_len):
     count = np.empty(out_len, np.int32)
     w = np.zeros((out_len, kmax), np.float32)
     for o in range(out_len):
-        center = start + (o + 0.5) * scale
-        lo = max(int(center - support + 0.5), start)
-        hi = min(int(center + support + 0.5), start + length)
+        center = (o + 0.5) * scale  # relative to start: the weights do not depend on the crop's position
+        lo = max(int(center - support + 0.5), 0)
+        hi = min(int(center + support + 0.5), length)
         n = hi - lo
         total = 0.0
         for k in range(n):
@@ -152,7 +152,7 @@ def _weights(start, length, out_len):
         if total > 0.0:
             for k in range(n):
                 w[o, k] /= total
-        first[o] = lo
+        first[o] = start + lo
         count[o] = n
     return first, count, w
 
