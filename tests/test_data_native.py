@@ -302,3 +302,118 @@ def test_native_crops_are_exactly_the_full_decode(tiled):
                                        np.ones((1, 3), np.float32), mean, std, out)
                 assert err == [""]
                 np.testing.assert_array_equal(out[0], full[y:y + h, x:x + w], err_msg=f"{kind} {(y, x, h, w)}")
+
+
+@needs_native
+def test_tiles_match_roi_when_dct_scaling_meets_sizes_not_divisible_by_the_scale():
+    """Grey and 4:4:4 records (no MCU margin) whose height/width are not multiples of the DCT
+    scale: the tile cut must still cover the scaled box (it once came out a row short)."""
+    dec = _core.JpegBatchDecoder(libjpeg_path(), 1)
+    roi = _core.JpegBatchDecoder(libjpeg_path(), 1)
+    roi.set_tiles(False)
+    mean, std = np.zeros(3, np.float32), np.full(3, 1 / 255, np.float32)
+    rng = np.random.default_rng(3)
+    for kind, (H, W) in (("gray", (2001, 2048)), ("444", (1001, 1203)), ("420", (999, 1201))):
+        data = dec.transcode(encode(photo(H, W, 1), kind))
+        hh, ww = min(1800, H), min(1800, W)
+        boxes = [(0, 0, hh, ww), (H - hh, W - ww, hh, ww)]
+        for _ in range(8):
+            h, w = int(rng.integers(450, H + 1)), int(rng.integers(450, W + 1))
+            boxes.append((int(rng.integers(0, H - h + 1)), int(rng.integers(0, W - w + 1)), h, w))
+        for out_hw in (224, 100, 48):
+            for box in boxes:
+                outs = []
+                for d in (dec, roi):
+                    o = np.zeros((1, out_hw, out_hw, 3), np.float32)
+                    err = d.decode_batch([data], np.array([H], np.int32), np.array([W], np.int32),
+                                         np.array([box], np.int32), np.zeros(1, np.uint8), np.ones((1, 3), np.float32),
+                                         mean, std, o)
+                    assert err == [""], (kind, box, out_hw, err)
+                    outs.append(o)
+                np.testing.assert_array_equal(outs[0], outs[1], err_msg=f"{kind} {box} {out_hw}")
+
+
+def test_bad_buffers_and_boxes_are_refused():
+    mean, std = K.IMAGENET_MEAN, K.IMAGENET_STD
+    img = np.zeros((50, 60, 3), np.uint8)
+    out = np.zeros((8, 8, 3), np.float32)
+    with pytest.raises(ValueError, match="is not inside the 50x60 image"):
+        _core.resize_normalize(img, 2**31 - 1, 0, 1, 1, out, False, 1, 1, 1, mean, std)
+    with pytest.raises(ValueError, match="is not inside the 50x60 image"):
+        _core.resize_normalize(img, 0, 2**31 - 5, 1, 10, out, False, 1, 1, 1, mean, std)
+    data = encode(photo(32, 32, 0), "444")
+    with pytest.raises(ValueError, match="data is not contiguous"):
+        _core.jpeg_tile_layout(memoryview(data)[::2])
+    with pytest.raises(TypeError, match="data is a str, not bytes-like"):
+        _core.jpeg_tile_layout("not bytes")
+    # a forged frame size (65535 x 65535, restart interval 1) in a few bytes: refused at once
+    sof = bytes([0xFF, 0xC0, 0, 17, 8, 0xFF, 0xFF, 0xFF, 0xFF, 3, 1, 0x11, 0, 2, 0x11, 0, 3, 0x11, 0])
+    sos = bytes([0xFF, 0xDA, 0, 12, 3, 1, 0, 2, 0x11, 3, 0x11, 0, 63, 0])
+    forged = b"\xff\xd8" + b"\xff\xdd\x00\x04\x00\x01" + sof + sos + b"\x00" * 64 + b"\xff\xd9"
+    assert _core.jpeg_tile_layout(forged) is None
+
+
+@needs_native
+def test_large_transcode_grows_its_buffer_and_keeps_pixels():
+    noisy = np.random.default_rng(4).integers(0, 256, (700, 900, 3), dtype=np.uint8)
+    data = simplejpeg.encode_jpeg(noisy, quality=97)
+    assert len(data) > 1 << 20
+    dec = _core.JpegBatchDecoder(libjpeg_path(), 1)
+    t = dec.transcode(data)
+    assert len(t) > 1 << 20 and _core.jpeg_tile_layout(t) is not None  # grew well past its first 64 KiB
+    np.testing.assert_array_equal(simplejpeg.decode_jpeg(t), simplejpeg.decode_jpeg(data))
+    assert dec.transcode(data) == t  # the reused buffer gives the same bytes again
+
+
+@needs_native
+def test_cached_records_are_checksummed_too(tmp_path):
+    items = []
+    for i in range(6):
+        p = tmp_path / f"{i}.jpg"
+        p.write_bytes(encode(photo(40, 50, i), "420"))
+        items.append((str(p), i % 2))
+    out = tmp_path / "c.fxpack"
+    pack(items, str(out), progress=False)
+    with PackedDataset(str(out), verify=False) as ds:
+        off = int(ds.index[4]["offset"]) + 30
+    with open(out, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0x55]))
+    ld = Loader(str(out), 6, rank=0, size=1, train=False, cache=True, image_size=16)
+    with pytest.warns(RuntimeWarning, match=r"skipped 1 unreadable record.*record 4.*checksum mismatch"):
+        ld.batch(0)
+    assert ld.skipped == 1
+    ld.close()
+
+
+@pytest.mark.parametrize("decoder", ["native", "numba"])
+def test_a_loader_keeps_working_in_a_forked_child(packs, decoder):
+    import os
+
+    if decoder == "native" and not native_ok:
+        pytest.skip(native_why)
+    _, plain, _ = packs
+    ld = Loader(str(plain), 6, rank=0, size=1, train=False, image_size=16, decoder=decoder, threads=2)
+    want, _ = ld.batch(1)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: threads are gone; the loader must start its own
+        import faulthandler
+
+        faulthandler.dump_traceback_later(120, exit=True)  # never hang the test run
+        code = 1
+        try:
+            got, _ = ld.batch(1)
+            code = 0 if np.array_equal(got, want) else 2
+        finally:
+            os.write(w, bytes([code]))
+            os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    status = os.read(r, 1)
+    os.close(r)
+    assert status == b"\x00"  # empty: the child died before it could answer
+    np.testing.assert_array_equal(ld.batch(1)[0], want)  # and the parent's still works
+    ld.close()

@@ -60,6 +60,22 @@ Compression wire16(const std::string& name) {
   return c;
 }
 
+// The bytes of a buffer-protocol object (bytes, bytearray, memoryview, numpy array), which must
+// be C-contiguous: a strided view would be read as if it were not.
+py::buffer_info contiguous_bytes(const py::handle& obj, const std::string& what) {
+  if (!PyObject_CheckBuffer(obj.ptr()))
+    throw py::type_error(what + " is a " + std::string(py::str(py::type::of(obj).attr("__name__"))) +
+                         ", not bytes-like");
+  py::buffer_info v = py::reinterpret_borrow<py::buffer>(obj).request();
+  ssize_t stride = v.itemsize;
+  for (ssize_t d = v.ndim - 1; d >= 0; --d) {
+    if (v.shape[d] > 1 && v.strides[d] != stride)
+      throw py::value_error(what + " is not contiguous (pass bytes(...) or a contiguous copy)");
+    stride *= v.shape[d];
+  }
+  return v;
+}
+
 // The output of the image kernels: a C-contiguous float32 or bfloat16 (ml_dtypes; uint16 bits
 // accepted too) array of `want` elements.
 void* image_out(const py::handle& obj, size_t want, data::OutType* type) {
@@ -554,8 +570,8 @@ PYBIND11_MODULE(_core, m) {
         "(built, note): whether this build has the ROI JPEG decoder, and why not.");
   m.def(
       "jpeg_tile_layout",
-      [](py::buffer data) -> py::object {
-        py::buffer_info v = data.request();
+      [](py::object data) -> py::object {
+        py::buffer_info v = contiguous_bytes(data, "data");
         data::TileLayout t;
         if (!data::parse_tile_layout(static_cast<const uint8_t*>(v.ptr), static_cast<size_t>(v.size * v.itemsize), &t))
           return py::none();
@@ -572,8 +588,8 @@ PYBIND11_MODULE(_core, m) {
       py::arg("data"), "The MCU grid of a tiled JPEG (restart marker after every MCU), or None for any other data.");
   m.def(
       "jpeg_tile_crop",
-      [](py::buffer data, int r0, int r1, int c0, int c1) -> py::bytes {
-        py::buffer_info v = data.request();
+      [](py::object data, int r0, int r1, int c0, int c1) -> py::bytes {
+        py::buffer_info v = contiguous_bytes(data, "data");
         data::TileLayout t;
         const auto* p = static_cast<const uint8_t*>(v.ptr);
         if (!data::parse_tile_layout(p, static_cast<size_t>(v.size * v.itemsize), &t))
@@ -599,7 +615,7 @@ PYBIND11_MODULE(_core, m) {
         if (out.ndim() != 3 || out.shape(2) != 3) throw py::value_error("out must be oh x ow x 3");
         const int oh = static_cast<int>(out.shape(0)), ow = static_cast<int>(out.shape(1));
         if (oh < 1 || ow < 1) throw py::value_error("out must not be empty");
-        if (ch < 1 || cw < 1 || y0 < 0 || x0 < 0 || y0 + ch > H || x0 + cw > W)
+        if (ch < 1 || cw < 1 || y0 < 0 || x0 < 0 || y0 > H - ch || x0 > W - cw)
           throw py::value_error("crop box (y0=" + std::to_string(y0) + ", x0=" + std::to_string(x0) + ", h=" +
                                 std::to_string(ch) + ", w=" + std::to_string(cw) + ") is not inside the " +
                                 std::to_string(H) + "x" + std::to_string(W) + " image");
@@ -628,8 +644,8 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("threads", &data::BatchDecoder::threads)
       .def(
           "transcode",
-          [](data::BatchDecoder& d, py::buffer data) {
-            py::buffer_info v = data.request();
+          [](data::BatchDecoder& d, py::object data) {
+            py::buffer_info v = contiguous_bytes(data, "data");
             std::vector<uint8_t> out;
             {
               py::gil_scoped_release nogil;
@@ -666,12 +682,7 @@ PYBIND11_MODULE(_core, m) {
             views.reserve(n);
             std::vector<data::JpegImage> images(n);
             for (size_t i = 0; i < n; ++i) {
-              py::object rec = records[i];
-              if (!PyObject_CheckBuffer(rec.ptr()))
-                throw py::type_error("record " + std::to_string(i) + " is a " +
-                                     std::string(py::str(py::type::of(rec).attr("__name__"))) +
-                                     ", not bytes-like");
-              views.push_back(py::reinterpret_borrow<py::buffer>(rec).request());
+              views.push_back(contiguous_bytes(records[i], "record " + std::to_string(i)));
               const py::buffer_info& v = views.back();
               data::JpegImage& im = images[i];
               im.data = static_cast<const uint8_t*>(v.ptr);
@@ -682,8 +693,8 @@ PYBIND11_MODULE(_core, m) {
               im.x = bx[4 * i + 1];
               im.h = bx[4 * i + 2];
               im.w = bx[4 * i + 3];
-              if (im.h < 1 || im.w < 1 || im.y < 0 || im.x < 0 || im.y + im.h > im.height ||
-                  im.x + im.w > im.width)
+              if (im.h < 1 || im.w < 1 || im.y < 0 || im.x < 0 || im.y > im.height - im.h ||
+                  im.x > im.width - im.w)
                 throw py::value_error("box of image " + std::to_string(i) + " is not inside its " +
                                       std::to_string(im.height) + "x" + std::to_string(im.width) + " image");
               im.aug.flip = fl[i] != 0;

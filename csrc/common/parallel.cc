@@ -4,10 +4,12 @@
 
 #include <pthread.h>
 #include <sched.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <stdexcept>
 
 namespace fastxfer {
 
@@ -25,7 +27,19 @@ int default_threads() {
   return hc ? static_cast<int>(hc) : 1;
 }
 
+WorkerPool::WorkerPool() : pid_(getpid()) {}
+
+bool WorkerPool::inherited() const { return getpid() != pid_; }
+
 WorkerPool::~WorkerPool() {
+  if (inherited()) {
+    // A copy inherited through fork(): its threads do not exist here, so they can be neither
+    // joined nor detached (and a joinable std::thread must not be destroyed): leak the handles.
+    // (Owners should not destroy an inherited pool at all -- its condition variables still
+    // count the parent's waiters, and destroying them would wait forever -- see inherited().)
+    new std::vector<std::thread>(std::move(workers_));
+    return;
+  }
   {
     std::lock_guard<std::mutex> lk(mu_);
     stop_ = true;
@@ -37,6 +51,9 @@ WorkerPool::~WorkerPool() {
 }
 
 void WorkerPool::run(int count, const std::function<void(int)>& task) {
+  if (inherited())
+    throw std::runtime_error("a thread pool created before fork() cannot run in the child process: "
+                             "create the object (e.g. the Loader) again after forking");
   if (count <= 1) {
     if (count == 1) task(0);
     return;

@@ -9,6 +9,8 @@
 #include <thread>
 #include <vector>
 
+#include <sys/types.h>
+
 namespace fastxfer {
 
 // Threads used when the caller passes threads <= 0: FASTXFER_THREADS if set, else the number of
@@ -18,16 +20,20 @@ int default_threads();
 // Persistent worker threads that sleep on a condition variable between calls. run(count, task)
 // runs task(i) for i in [1, count) on workers and task(0) on the caller, and returns when all are
 // done, rethrowing the first exception. One run at a time (callers serialise on owner()).
-// Destroying the pool stops and joins its workers.
+// Destroying the pool stops and joins its workers. A pool does not survive fork(): in a child
+// process run() throws std::runtime_error, and destruction lets go of the (absent) threads.
 class WorkerPool {
  public:
-  WorkerPool() = default;
+  WorkerPool();
   ~WorkerPool();
   WorkerPool(const WorkerPool&) = delete;
   WorkerPool& operator=(const WorkerPool&) = delete;
 
   std::mutex& owner() { return owner_; }
   void run(int count, const std::function<void(int)>& task);
+  // True in a child process that inherited this pool through fork(). Such a pool must be leaked,
+  // not destroyed: its condition variables still count the parent's sleeping workers.
+  bool inherited() const;
 
  private:
   void ensure_workers(int n);
@@ -41,6 +47,7 @@ class WorkerPool {
   int pending_ = 0;
   int active_ = 0;
   bool stop_ = false;
+  pid_t pid_;
   uint64_t generation_ = 0;
   std::exception_ptr error_;
 };

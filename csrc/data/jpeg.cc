@@ -4,8 +4,11 @@
 #include <cmath>
 #include <csetjmp>
 #include <cstdio>
+#include <cstddef>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <unistd.h>
 #include <stdexcept>
 
 #include "common/parallel.h"
@@ -43,6 +46,61 @@ std::string jpeg_support_note() {
 }
 
 class JpegLibrary {};
+// A libjpeg destination that appends to a malloc'd buffer owned here (grown with realloc; on
+// failure it reports through the error manager, which longjmps). Unlike jpeg_mem_dest, the
+// pointer is never left dangling on an error path, and the buffer is reused across calls.
+class GrowingDestination {
+ public:
+  ~GrowingDestination() { std::free(buf_); }
+  void start(j_compress_ptr c, ErrorManager* err) {
+    err_ = err;
+    pub_.init_destination = init;
+    pub_.empty_output_buffer = empty;
+    pub_.term_destination = term;
+    c->dest = &pub_;
+  }
+  const uint8_t* data() const { return buf_; }
+  size_t size() const { return used_; }
+
+ private:
+  static GrowingDestination* self(j_compress_ptr c) {
+    return reinterpret_cast<GrowingDestination*>(reinterpret_cast<char*>(c->dest) -
+                                                offsetof(GrowingDestination, pub_));
+  }
+  void grow(size_t want) {
+    if (want <= cap_) return;
+    size_t cap = std::max<size_t>(want, cap_ * 2);
+    auto* p = static_cast<uint8_t*>(std::realloc(buf_, cap));
+    if (!p) fail(err_, "out of memory while transcoding");
+    buf_ = p;
+    cap_ = cap;
+  }
+  static void init(j_compress_ptr c) {
+    GrowingDestination* d = self(c);
+    d->used_ = 0;
+    d->grow(1 << 16);
+    d->pub_.next_output_byte = d->buf_;
+    d->pub_.free_in_buffer = d->cap_;
+  }
+  static boolean empty(j_compress_ptr c) {  // the whole buffer is full
+    GrowingDestination* d = self(c);
+    const size_t used = d->cap_;
+    d->grow(d->cap_ * 2);
+    d->pub_.next_output_byte = d->buf_ + used;
+    d->pub_.free_in_buffer = d->cap_ - used;
+    return TRUE;
+  }
+  static void term(j_compress_ptr c) {
+    GrowingDestination* d = self(c);
+    d->used_ = d->cap_ - d->pub_.free_in_buffer;
+  }
+
+  jpeg_destination_mgr pub_{};
+  ErrorManager* err_ = nullptr;
+  uint8_t* buf_ = nullptr;
+  size_t cap_ = 0, used_ = 0;
+};
+
 struct BatchDecoder::Worker {};
 struct BatchDecoder::Pool {};
 
@@ -87,7 +145,6 @@ class JpegLibrary {
       bind(finish_decompress, "jpeg_finish_decompress");
       bind(create_compress, "jpeg_CreateCompress");
       bind(destroy_compress, "jpeg_destroy_compress");
-      bind(mem_dest, "jpeg_mem_dest");
       bind(copy_critical_parameters, "jpeg_copy_critical_parameters");
       bind(write_coefficients, "jpeg_write_coefficients");
       bind(finish_compress, "jpeg_finish_compress");
@@ -113,7 +170,6 @@ class JpegLibrary {
   decltype(&::jpeg_finish_decompress) finish_decompress = nullptr;
   decltype(&::jpeg_CreateCompress) create_compress = nullptr;
   decltype(&::jpeg_destroy_compress) destroy_compress = nullptr;
-  decltype(&::jpeg_mem_dest) mem_dest = nullptr;
   decltype(&::jpeg_copy_critical_parameters) copy_critical_parameters = nullptr;
   decltype(&::jpeg_write_coefficients) write_coefficients = nullptr;
   decltype(&::jpeg_finish_compress) finish_compress = nullptr;
@@ -196,6 +252,61 @@ class JpegRows : public RowSource {
 
 }  // namespace
 
+// A libjpeg destination that appends to a malloc'd buffer owned here (grown with realloc; on
+// failure it reports through the error manager, which longjmps). Unlike jpeg_mem_dest, the
+// pointer is never left dangling on an error path, and the buffer is reused across calls.
+class GrowingDestination {
+ public:
+  ~GrowingDestination() { std::free(buf_); }
+  void start(j_compress_ptr c, ErrorManager* err) {
+    err_ = err;
+    pub_.init_destination = init;
+    pub_.empty_output_buffer = empty;
+    pub_.term_destination = term;
+    c->dest = &pub_;
+  }
+  const uint8_t* data() const { return buf_; }
+  size_t size() const { return used_; }
+
+ private:
+  static GrowingDestination* self(j_compress_ptr c) {
+    return reinterpret_cast<GrowingDestination*>(reinterpret_cast<char*>(c->dest) -
+                                                offsetof(GrowingDestination, pub_));
+  }
+  void grow(size_t want) {
+    if (want <= cap_) return;
+    size_t cap = std::max<size_t>(want, cap_ * 2);
+    auto* p = static_cast<uint8_t*>(std::realloc(buf_, cap));
+    if (!p) fail(err_, "out of memory while transcoding");
+    buf_ = p;
+    cap_ = cap;
+  }
+  static void init(j_compress_ptr c) {
+    GrowingDestination* d = self(c);
+    d->used_ = 0;
+    d->grow(1 << 16);
+    d->pub_.next_output_byte = d->buf_;
+    d->pub_.free_in_buffer = d->cap_;
+  }
+  static boolean empty(j_compress_ptr c) {  // the whole buffer is full
+    GrowingDestination* d = self(c);
+    const size_t used = d->cap_;
+    d->grow(d->cap_ * 2);
+    d->pub_.next_output_byte = d->buf_ + used;
+    d->pub_.free_in_buffer = d->cap_ - used;
+    return TRUE;
+  }
+  static void term(j_compress_ptr c) {
+    GrowingDestination* d = self(c);
+    d->used_ = d->cap_ - d->pub_.free_in_buffer;
+  }
+
+  jpeg_destination_mgr pub_{};
+  ErrorManager* err_ = nullptr;
+  uint8_t* buf_ = nullptr;
+  size_t cap_ = 0, used_ = 0;
+};
+
 struct BatchDecoder::Worker {
   explicit Worker(JpegLibrary* lib) : lib_(lib), rows_(lib, &cinfo_, &err_) {
     std::memset(&cinfo_, 0, sizeof(cinfo_));
@@ -250,8 +361,11 @@ struct BatchDecoder::Worker {
         layout_.width == W) {
       const TileLayout& t = layout_;
       const int m = t.subsampled ? 1 : 0;
-      const int r0 = std::max(0, im.y / t.mcu_h - m), r1 = std::min(t.rows, (im.y + im.h - 1) / t.mcu_h + 1 + m);
-      const int c0 = std::max(0, im.x / t.mcu_w - m), c1 = std::min(t.cols, (im.x + im.w - 1) / t.mcu_w + 1 + m);
+      // The MCUs under the scaled box (y2, x2, h2, w2): full-resolution rows [y2 f, (y2 + h2) f).
+      const int r0 = std::max(0, y2 * f / t.mcu_h - m);
+      const int r1 = std::min(t.rows, ((y2 + h2) * f + t.mcu_h - 1) / t.mcu_h + m);
+      const int c0 = std::max(0, x2 * f / t.mcu_w - m);
+      const int c1 = std::min(t.cols, ((x2 + w2) * f + t.mcu_w - 1) / t.mcu_w + m);
       build_tile_jpeg(im.data, t, r0, r1, c0, c1, &tile_);
       const int hs = std::min(H, r1 * t.mcu_h) - r0 * t.mcu_h, ws = std::min(W, c1 * t.mcu_w) - c0 * t.mcu_w;
       const int dy = r0 * t.mcu_h / f, dx = c0 * t.mcu_w / f;  // MCU sizes are multiples of 8 >= f
@@ -268,16 +382,14 @@ struct BatchDecoder::Worker {
   // tables, a restart marker after every MCU. Returns nullptr and fills `out`, or the reason.
   const char* transcode(const uint8_t* data, size_t size, int64_t max_pixels, std::vector<uint8_t>* out) {
     if (!created_) return create_error_.c_str();
-    // Locals written after setjmp and read after a longjmp live in this object, not in registers.
-    tc_buf_ = nullptr;
-    tc_size_ = 0;
+    // State written after setjmp and read after a longjmp lives in this object, not in registers.
     tc_made_ = false;
     std::memset(&tc_, 0, sizeof(tc_));
     tc_.err = &err_.pub;  // one error manager (and jump target) for both structs
     if (setjmp(err_.jump)) {
       lib_->abort_decompress(&cinfo_);
       if (tc_made_) lib_->destroy_compress(&tc_);
-      std::free(tc_buf_);
+      tc_made_ = false;
       return err_.message;
     }
     lib_->abort_decompress(&cinfo_);
@@ -288,18 +400,16 @@ struct BatchDecoder::Worker {
     jvirt_barray_ptr* coefs = lib_->read_coefficients(&cinfo_);
     lib_->create_compress(&tc_, JPEG_LIB_VERSION, sizeof(tc_));
     tc_made_ = true;
-    lib_->mem_dest(&tc_, &tc_buf_, &tc_size_);
+    dest_.start(&tc_, &err_);
     lib_->copy_critical_parameters(&cinfo_, &tc_);
     tc_.restart_interval = 1;
     tc_.optimize_coding = TRUE;
     lib_->write_coefficients(&tc_, coefs);
     lib_->finish_compress(&tc_);
     lib_->finish_decompress(&cinfo_);
-    out->assign(tc_buf_, tc_buf_ + tc_size_);
     lib_->destroy_compress(&tc_);
     tc_made_ = false;
-    std::free(tc_buf_);
-    tc_buf_ = nullptr;
+    out->assign(dest_.data(), dest_.data() + dest_.size());  // may throw: nothing of libjpeg's is held
     return nullptr;
   }
 
@@ -363,9 +473,8 @@ struct BatchDecoder::Worker {
   TileLayout layout_;
   std::vector<uint8_t> tile_;
   jpeg_compress_struct tc_;
-  unsigned char* tc_buf_ = nullptr;
-  unsigned long tc_size_ = 0;
   bool tc_made_ = false;
+  GrowingDestination dest_;
 };
 
 struct BatchDecoder::Pool {
@@ -385,6 +494,8 @@ BatchDecoder::BatchDecoder(const std::string& library_path, int threads, int64_t
 }
 
 BatchDecoder::~BatchDecoder() {
+  if (pool_ && pool_->pool.inherited())
+    pool_.release();  // a copy from before fork(): its threads are not here (see WorkerPool::inherited)
   pool_.reset();  // stop the threads before their decoders go
   workers_.clear();
   transcoder_.reset();

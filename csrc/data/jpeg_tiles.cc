@@ -64,6 +64,9 @@ bool parse_tile_layout(const uint8_t* d, size_t n, TileLayout* t) {
   t->cols = (t->width + t->mcu_w - 1) / t->mcu_w;
   t->rows = (t->height + t->mcu_h - 1) / t->mcu_h;
   const size_t count = static_cast<size_t>(t->rows) * t->cols;
+  // Every MCU ends in a 2-byte marker, so a file of n bytes holds at most (n - data_at) / 2 of
+  // them: a forged frame size cannot make this reserve more than the data could describe.
+  if (count > (n - t->data_at) / 2 + 1) return false;
   t->seg_end.clear();
   t->seg_end.reserve(count);
   // Restart markers (FF D0..D7, numbered k mod 8) end every MCU but the last, which ends at EOI.

@@ -68,7 +68,8 @@ class Resampler {
   // Crops [y0, y0+ch) x [x0, x0+cw) of the image the source reads, resizes it to oh x ow, applies
   // `aug`, and writes (v/255 - mean)/std as oh x ow x 3 values of type `out_type` at `out`.
   // The source is asked only for the rows the filter touches (between y0 and y0+ch). The
-  // AVX-512 and portable paths give bit-identical results (same operations in the same order).
+  // AVX-512 path fuses multiply-adds, the portable one rounds each step: they agree to ~1e-6
+  // after normalisation; each alone is deterministic (threads, crop position, tiles vs ROI).
   void run(RowSource& src, int y0, int x0, int ch, int cw, int oh, int ow, const Augment& aug, const float mean[3],
            const float std_[3], void* out, OutType out_type);
 

@@ -176,6 +176,7 @@ class Loader:
         self.decoder = "native" if self._native is not None else "numba"
         if self._native is None:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="fastxfer-loader")
+        self._pid = os.getpid()
         self._scratch = threading.local()  # per-thread resize buffer, reused across images
 
     # -- which records, in which order ------------------------------------------------------------
@@ -201,7 +202,7 @@ class Loader:
             return self.ds.record(i)
         rec = self.ds.index[i]
         off, n = int(rec["offset"]), int(rec["size"])
-        return memoryview(self._blob)[off:off + n]
+        return self.ds.checked(i, memoryview(self._blob)[off:off + n])
 
     def params(self, idx) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(boxes (n, 4) of (y, x, h, w), flips (n,), jitter (n, 3)) for records idx this epoch:
@@ -253,8 +254,22 @@ class Loader:
                 ok.append(True)
         return ok
 
+    def _after_fork(self) -> None:
+        """Threads do not survive fork(): a Loader used in a forked child (multiprocessing with
+        the fork start method) starts its own decoder threads there."""
+        if os.getpid() == self._pid:
+            return
+        if self._native is not None:
+            from fastxfer import _core
+
+            self._native = _core.JpegBatchDecoder(self._native.library_path, self.threads, self.max_pixels)
+        if self._pool is not None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="fastxfer-loader")
+        self._pid = os.getpid()
+
     def batch(self, b: int) -> tuple[np.ndarray, np.ndarray]:
         """Batch number b of the current epoch (random access: the same call gives the same batch)."""
+        self._after_fork()
         idx = self.indices()[b * self.batch_size:(b + 1) * self.batch_size]
         n, s = len(idx), self.image_size
         # bf16 straight from the kernel, unless mixup still has to blend in float32

@@ -301,13 +301,17 @@ class PackedDataset:
             raise IndexError(f"record {i} out of range 0..{len(self.index) - 1}")
         rec = self.index[i]
         off, n = int(rec["offset"]), int(rec["size"])
-        view = memoryview(self._mm)[off:off + n]
+        return self.checked(i, memoryview(self._mm)[off:off + n])
+
+    def checked(self, i: int, view: memoryview) -> memoryview:
+        """`view` (record i's bytes, from the file or a copy of it), its CRC checked the first time
+        (verify=True); CorruptRecordError names the record on a mismatch."""
         if self.verify and not self._verified[i]:
-            if zlib.crc32(view) == int(rec["crc32"]):
-                self._verified[i] = 1
-                return view
-            raise CorruptRecordError(f"{self.path}: record {i} (label {int(rec['label'])}, {n} bytes at offset {off}) "
-                                     "is corrupted: checksum mismatch")
+            rec = self.index[i]
+            if zlib.crc32(view) != int(rec["crc32"]):
+                raise CorruptRecordError(f"{self.path}: record {i} (label {int(rec['label'])}, {int(rec['size'])} "
+                                         f"bytes at offset {int(rec['offset'])}) is corrupted: checksum mismatch")
+            self._verified[i] = 1
         return view
 
     def verify_all(self) -> list[int]:
