@@ -46,61 +46,6 @@ std::string jpeg_support_note() {
 }
 
 class JpegLibrary {};
-// A libjpeg destination that appends to a malloc'd buffer owned here (grown with realloc; on
-// failure it reports through the error manager, which longjmps). Unlike jpeg_mem_dest, the
-// pointer is never left dangling on an error path, and the buffer is reused across calls.
-class GrowingDestination {
- public:
-  ~GrowingDestination() { std::free(buf_); }
-  void start(j_compress_ptr c, ErrorManager* err) {
-    err_ = err;
-    pub_.init_destination = init;
-    pub_.empty_output_buffer = empty;
-    pub_.term_destination = term;
-    c->dest = &pub_;
-  }
-  const uint8_t* data() const { return buf_; }
-  size_t size() const { return used_; }
-
- private:
-  static GrowingDestination* self(j_compress_ptr c) {
-    return reinterpret_cast<GrowingDestination*>(reinterpret_cast<char*>(c->dest) -
-                                                offsetof(GrowingDestination, pub_));
-  }
-  void grow(size_t want) {
-    if (want <= cap_) return;
-    size_t cap = std::max<size_t>(want, cap_ * 2);
-    auto* p = static_cast<uint8_t*>(std::realloc(buf_, cap));
-    if (!p) fail(err_, "out of memory while transcoding");
-    buf_ = p;
-    cap_ = cap;
-  }
-  static void init(j_compress_ptr c) {
-    GrowingDestination* d = self(c);
-    d->used_ = 0;
-    d->grow(1 << 16);
-    d->pub_.next_output_byte = d->buf_;
-    d->pub_.free_in_buffer = d->cap_;
-  }
-  static boolean empty(j_compress_ptr c) {  // the whole buffer is full
-    GrowingDestination* d = self(c);
-    const size_t used = d->cap_;
-    d->grow(d->cap_ * 2);
-    d->pub_.next_output_byte = d->buf_ + used;
-    d->pub_.free_in_buffer = d->cap_ - used;
-    return TRUE;
-  }
-  static void term(j_compress_ptr c) {
-    GrowingDestination* d = self(c);
-    d->used_ = d->cap_ - d->pub_.free_in_buffer;
-  }
-
-  jpeg_destination_mgr pub_{};
-  ErrorManager* err_ = nullptr;
-  uint8_t* buf_ = nullptr;
-  size_t cap_ = 0, used_ = 0;
-};
-
 struct BatchDecoder::Worker {};
 struct BatchDecoder::Pool {};
 
