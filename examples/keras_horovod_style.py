@@ -22,9 +22,11 @@ p.add_argument("--epochs", type=int, default=4)
 p.add_argument("--batch-size", type=int, default=64, help="per worker")
 p.add_argument("--lr", type=float, default=0.02, help="single-worker learning rate (scaled by the worker count)")
 p.add_argument("--checkpoint-dir", default=None)
+p.add_argument("--seed", type=int, default=0, help="weight initialisation (rank 0's is broadcast) and shuffling")
 args = p.parse_args()
 
 hvd.init()
+keras.utils.set_random_seed(args.seed + hvd.rank())
 
 x, y = mnist_data()
 x = (x.reshape(-1, 28, 28, 1) / 255.0).astype("float32")
