@@ -10,18 +10,7 @@ Native core: SIMD bf16/fp16 kernels, fused gradient buckets (``fastxfer.fusion``
 background engine that reduces over shared memory.
 """
 
-try:
-    from fastxfer import _core
-except ImportError as e:  # pragma: no cover - depends on how the package was found
-    import os as _os
-
-    if "_core" in str(e) and not any(n.startswith("_core") for n in _os.listdir(_os.path.dirname(__file__))):
-        raise ImportError(
-            f"fastxfer's native module is not built next to {_os.path.dirname(__file__)}: this is the source "
-            "tree, not the installed package. Install it (pip install .) and run from outside the checkout, "
-            "or run the tests with `pytest` rather than `python -m pytest` (which puts the checkout first)."
-        ) from e
-    raise
+from fastxfer import _core
 from fastxfer.collectives import (Handle, allgather, allreduce, allreduce_async, barrier, broadcast,
                                   broadcast_object, oob_allreduce)
 from fastxfer.compression import compress, decompress
