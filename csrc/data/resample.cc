@@ -4,7 +4,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "compress/compress.h"
+#include "kernels/compress.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>

@@ -11,7 +11,7 @@
 // Mismatch on every rank (they all see the same lists), never a hang or a wrong sum. Requests that
 // arrive while a round runs wait for the next round, which fuses whatever has accumulated — so
 // gradients produced during the backward pass are reduced while the rest are still computed.
-// A single thread keeps the transport's sequence counters in lock-step without any locking.
+// A single thread keeps the collectives' sequence counters in lock-step without any locking.
 #include "engine/engine.h"
 
 #include <pthread.h>
@@ -19,13 +19,18 @@
 
 #include <algorithm>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 
+#include "collectives/hierarchical.h"
+#include "collectives/shm_collectives.h"
+#include "common/errors.h"
 #include "fusion/bucket_planner.h"
 
 namespace fastxfer {
 
-Engine::Engine(std::unique_ptr<Transport> transport, const EngineConfig& cfg)
-    : transport_(std::move(transport)), cfg_(cfg) {
+Engine::Engine(std::unique_ptr<Collectives> comm, const EngineConfig& cfg)
+    : comm_(std::move(comm)), cfg_(cfg) {
   thread_ = std::thread([this] { loop(); });
   pthread_setname_np(thread_.native_handle(), "fastxfer-engine");  // visible in top -H, gdb, /proc
   if (!cfg_.cpus.empty()) {
@@ -38,7 +43,7 @@ Engine::Engine(std::unique_ptr<Transport> transport, const EngineConfig& cfg)
         std::lock_guard<std::mutex> lk(mu_);
         stop_ = true;
       }
-      transport_->abort();
+      comm_->abort();
       work_cv_.notify_all();
       thread_.join();
       throw EngineError("cannot pin the engine thread to the given CPUs: " + std::string(std::strerror(rc)));
@@ -52,10 +57,10 @@ Engine::~Engine() {
       std::lock_guard<std::mutex> lk(mu_);
       stop_ = true;
     }
-    transport_->abort();
+    comm_->abort();
     work_cv_.notify_all();
     thread_.join();
-    if (fatal_ == ErrorKind::kNone) transport_->mark_exited(false, "the process left without calling shutdown()");
+    if (fatal_ == ErrorKind::kNone) comm_->mark_exited(false, "the process left without calling shutdown()");
   }
 }
 
@@ -69,6 +74,10 @@ void Engine::throw_error(ErrorKind kind, const std::string& msg) const {
 }
 
 uint64_t Engine::submit(Request req) {
+  // Invariants the bucket planner relies on (fastxfer/_validate.py gives users the friendly message).
+  if (req.compression != Compression::kNone && req.dtype != DType::kFloat32)
+    throw std::invalid_argument(std::string("compression applies to float32 tensors, not ") + dtype_name(req.dtype));
+  if (req.rec.bucket_cap < 0) throw std::invalid_argument("bucket_cap must be >= 0 bytes");
   std::lock_guard<std::mutex> lk(mu_);
   if (fatal_ != ErrorKind::kNone) throw_error(fatal_, fatal_msg_);
   if (shutdown_requested_ || stopped_) throw EngineError("fastxfer has been shut down; call init() again first");
@@ -166,7 +175,7 @@ void Engine::loop() {
         size_t m = std::min(queue_.size(), static_cast<size_t>(cfg_.max_records));
         for (size_t i = 0; i < m; ++i) recs.push_back(queue_[i]->rec);
       }
-      auto all = transport_->exchange_records(recs);
+      auto all = comm_->exchange_records(recs);
       size_t agreed = recs.size();
       for (const auto& l : all) agreed = std::min(agreed, l.size());
       for (size_t i = 0; i < agreed; ++i) {
@@ -196,13 +205,13 @@ void Engine::loop() {
     }
   } catch (const PeerFailure& e) {
     fail_all(ErrorKind::kPeerFailure, e.what());
-    transport_->mark_exited(false, e.what());
+    comm_->mark_exited(false, e.what());
   } catch (const Mismatch& e) {
     fail_all(ErrorKind::kMismatch, e.what());
-    transport_->mark_exited(false, e.what());
+    comm_->mark_exited(false, e.what());
   } catch (const std::exception& e) {
     fail_all(ErrorKind::kEngine, e.what());
-    transport_->mark_exited(false, e.what());
+    comm_->mark_exited(false, e.what());
   }
   std::lock_guard<std::mutex> lk(mu_);
   stopped_ = true;
@@ -236,14 +245,14 @@ void Engine::run_batch(const std::vector<Request*>& batch, const std::vector<std
             job.srcs.push_back(batch[i + t]->in);
             job.outs.push_back(batch[i + t]->out);
           }
-          transport_->allreduce(job);
+          comm_->allreduce(job);
           for (int t : b.tensors) finish(batch[i + t]);
         }
         i = e;
         continue;
       }
       case CollectiveKind::kBroadcast:
-        transport_->broadcast(r->in, r->out, r->numel * dtype_size(r->dtype), r->root);
+        comm_->broadcast(r->in, r->out, r->numel * dtype_size(r->dtype), r->root);
         break;
       case CollectiveKind::kAllgather: {
         std::vector<size_t> bytes(all.size());
@@ -256,7 +265,7 @@ void Engine::run_batch(const std::vector<Request*>& batch, const std::vector<std
         }
         r->gathered.resize(total);
         r->gathered_rows = rows;
-        transport_->allgather(r->in, r->gathered.data(), bytes);
+        comm_->allgather(r->in, r->gathered.data(), bytes);
         break;
       }
       case CollectiveKind::kBarrier:   // agreeing on it was the barrier: every rank had reached it
@@ -288,12 +297,12 @@ void Engine::oob_allreduce(const Record& rec, const void* in, void* out, size_t 
         fatal_msg_ = what;
       }
     }
-    transport_->mark_exited(false, what);
-    transport_->abort();
+    comm_->mark_exited(false, what);
+    comm_->abort();
     work_cv_.notify_all();
   };
   try {
-    transport_->oob_allreduce(rec, in, out, n, dtype, op, postscale);
+    comm_->oob_allreduce(rec, in, out, n, dtype, op, postscale);
   } catch (const PeerFailure& e) {
     poison(ErrorKind::kPeerFailure, e.what());
     throw;
@@ -327,12 +336,18 @@ void Engine::shutdown() {
       stop_ = true;
     }
     work_cv_.notify_all();
-    if (!healthy || err) transport_->abort();
+    if (!healthy || err) comm_->abort();
     thread_.join();
   }
   // On failure the engine thread has already told the peers why; keep that message.
-  if (fatal_ == ErrorKind::kNone && !err) transport_->mark_exited(true, "shut down");
+  if (fatal_ == ErrorKind::kNone && !err) comm_->mark_exited(true, "shut down");
   if (err) std::rethrow_exception(err);
+}
+
+std::unique_ptr<Engine> start_engine(const JobConfig& job, std::shared_ptr<InterHost> inter) {
+  auto local = std::make_unique<ShmCollectives>(job.shm, job.threads, job.stream_min_bytes);
+  if (inter) return std::make_unique<Engine>(std::make_unique<HierarchicalCollectives>(std::move(local), inter), job.engine);
+  return std::make_unique<Engine>(std::move(local), job.engine);
 }
 
 }  // namespace fastxfer

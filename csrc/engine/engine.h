@@ -1,6 +1,6 @@
 // The engine: a background thread that takes collective requests in program order, agrees with
 // the other ranks on how many of them to run next, fuses consecutive allreduces into buckets and
-// drives the transport. Python threads only enqueue and wait; this thread never touches Python.
+// drives the collectives. Python threads only enqueue and wait; this thread never touches Python.
 #pragma once
 #include <condition_variable>
 #include <cstdint>
@@ -12,14 +12,16 @@
 #include <unordered_map>
 #include <vector>
 
-#include "engine/collective.h"
-#include "transport/transport.h"
+#include "collectives/collectives.h"
+#include "common/request.h"
+#include "transport/inter_host.h"
+#include "transport/shm/segment.h"
 
 namespace fastxfer {
 
 struct EngineConfig {
   size_t bucket_cap_bytes = 25u << 20;
-  int max_records = 1024;       // requests agreed per round (must match the transport)
+  int max_records = 1024;       // requests agreed per round (the segment carries this many)
   std::vector<int> cpus;        // pin the engine thread to these CPUs (empty: no pinning)
 };
 
@@ -43,13 +45,13 @@ enum class ErrorKind : int { kNone = 0, kPeerFailure, kMismatch, kEngine, kInval
 
 class Engine {
  public:
-  Engine(std::unique_ptr<Transport> transport, const EngineConfig& cfg);
+  Engine(std::unique_ptr<Collectives> comm, const EngineConfig& cfg);
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
-  int rank() const { return transport_->rank(); }
-  int size() const { return transport_->size(); }
+  int rank() const { return comm_->rank(); }
+  int size() const { return comm_->size(); }
 
   // Queues a request (its `id` is assigned here) and returns at once. Throws the engine's error
   // if it has already failed.
@@ -64,16 +66,16 @@ class Engine {
   // Forgets a waited-for request.
   void release(uint64_t id);
 
-  // Runs on the calling thread, on the transport's out-of-band lane.
+  // Runs on the calling thread, on the collectives' out-of-band lane.
   void oob_allreduce(const Record& rec, const void* in, void* out, size_t n, DType dtype, ReduceOp op,
                      double postscale);
-  size_t oob_capacity() const { return transport_->oob_capacity(); }
+  size_t oob_capacity() const { return comm_->oob_capacity(); }
 
   // Collective: every rank must call it. Drains the queue, then stops the thread.
   void shutdown();
   bool running() const;
   // Read while the engine runs: approximate (not synchronised with the engine thread).
-  TransportStats stats() const { return transport_->stats(); }
+  CommStats stats() const { return comm_->stats(); }
 
  private:
   struct Status {
@@ -88,7 +90,7 @@ class Engine {
   void fail_all(ErrorKind kind, const std::string& msg);
   [[noreturn]] void throw_error(ErrorKind kind, const std::string& msg) const;
 
-  std::unique_ptr<Transport> transport_;
+  std::unique_ptr<Collectives> comm_;
   EngineConfig cfg_;
   mutable std::mutex mu_;
   std::condition_variable work_cv_, done_cv_;
@@ -104,5 +106,18 @@ class Engine {
   std::mutex oob_mu_;
   std::thread thread_;
 };
+
+// Everything a process needs to join the job's collectives (what fastxfer.init() gathered).
+struct JobConfig {
+  ShmConfig shm;                       // this host's segment
+  int threads = 1;                     // pack/unpack threads inside one chunk
+  size_t stream_min_bytes = 4u << 20;  // buckets with outputs this large use streaming stores
+  EngineConfig engine;
+};
+
+// Joins the job and starts the engine thread: shared memory among this host's ranks, plus the
+// hierarchical algorithms over `inter` when the job spans several hosts (inter != nullptr).
+// Blocks until every local rank has attached.
+std::unique_ptr<Engine> start_engine(const JobConfig& job, std::shared_ptr<InterHost> inter);
 
 }  // namespace fastxfer

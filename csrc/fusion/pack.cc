@@ -9,7 +9,7 @@
 #include <string>
 
 #include "common/parallel.h"
-#include "compress/compress.h"
+#include "kernels/compress.h"
 
 namespace fastxfer {
 

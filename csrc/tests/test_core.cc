@@ -9,9 +9,9 @@
 #include <string>
 #include <vector>
 
-#include "compress/compress.h"
-#include "compress/reference.h"
-#include "engine/reduce.h"
+#include "kernels/compress.h"
+#include "kernels/reference.h"
+#include "kernels/reduce.h"
 #include "fusion/bucket_planner.h"
 #include "fusion/pack.h"
 #include "topology/topology.h"

@@ -15,7 +15,7 @@
 #include <sstream>
 #include <tuple>
 
-#include "compress/cpu_features.h"
+#include "common/cpu_features.h"
 
 namespace fastxfer {
 

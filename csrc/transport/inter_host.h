@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "common/dtype.h"
-#include "engine/collective.h"
+#include "common/request.h"
 
 namespace fastxfer {
 

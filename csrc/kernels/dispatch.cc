@@ -1,12 +1,12 @@
 // Run-time choice of the SIMD path, and the threaded wrappers around the kernels.
-#include "compress/compress.h"
+#include "kernels/compress.h"
 
 #include <atomic>
 #include <cstdlib>
 #include <stdexcept>
 
 #include "common/parallel.h"
-#include "compress/cpu_features.h"
+#include "common/cpu_features.h"
 
 #if defined(FASTXFER_X86)
 #include <xmmintrin.h>

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "common/dtype.h"
-#include "compress/kernels.h"
+#include "kernels/kernels.h"
 
 namespace fastxfer {
 

@@ -4,14 +4,14 @@
 #pragma once
 #include <memory>
 
+#include "collectives/shm_collectives.h"
 #include "transport/inter_host.h"
-#include "transport/shm/shm_transport.h"
 
 namespace fastxfer {
 
-class HierarchicalTransport : public Transport {
+class HierarchicalCollectives : public Collectives {
  public:
-  HierarchicalTransport(std::unique_ptr<ShmTransport> local, std::shared_ptr<InterHost> inter);
+  HierarchicalCollectives(std::unique_ptr<ShmCollectives> local, std::shared_ptr<InterHost> inter);
 
   int rank() const override { return inter_->rank(); }
   int size() const override { return inter_->size(); }
@@ -24,10 +24,10 @@ class HierarchicalTransport : public Transport {
   void mark_exited(bool clean, const char* why) override { local_->mark_exited(clean, why); }
   size_t oob_capacity() const override { return local_->oob_capacity(); }
   void abort() override { local_->abort(); }
-  TransportStats stats() const override { return local_->stats(); }
+  CommStats stats() const override { return local_->stats(); }
 
  private:
-  std::unique_ptr<ShmTransport> local_;
+  std::unique_ptr<ShmCollectives> local_;
   std::shared_ptr<InterHost> inter_;
 };
 

@@ -1,11 +1,12 @@
-// The interface the engine drives: agree on what comes next, then move the bytes. One
-// implementation per folder (shm/ for ranks on one host; mpi/ between hosts).
+// The interface the engine drives: agree on what comes next, then run the collectives. One
+// implementation per topology: ShmCollectives (the ranks of one host, through a shared-memory
+// segment) and HierarchicalCollectives (several hosts: shared memory inside, InterHost between).
 #pragma once
 #include <cstddef>
 #include <cstdint>
 #include <vector>
 
-#include "engine/collective.h"
+#include "common/request.h"
 #include "fusion/bucket_planner.h"
 
 namespace fastxfer {
@@ -22,15 +23,15 @@ struct AllreduceJob {
   double postscale;
 };
 
-// Where the transport's time went, cumulative since start (seconds), for profiling.
-struct TransportStats {
-  double pack = 0, wait = 0, reduce = 0, unpack = 0, negotiate = 0, copy = 0;
+// Where the collectives' time went, cumulative since start (seconds), for profiling.
+struct CommStats {
+  double pack = 0, wait = 0, reduce = 0, unpack = 0, negotiate = 0;
   uint64_t chunks = 0, rounds = 0, bytes = 0;
 };
 
-class Transport {
+class Collectives {
  public:
-  virtual ~Transport() = default;
+  virtual ~Collectives() = default;
   virtual int rank() const = 0;
   virtual int size() const = 0;
 
@@ -60,7 +61,7 @@ class Transport {
   // engine down without a collective shutdown.
   virtual void abort() = 0;
 
-  virtual TransportStats stats() const = 0;
+  virtual CommStats stats() const = 0;
 };
 
 }  // namespace fastxfer

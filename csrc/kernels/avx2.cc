@@ -5,8 +5,8 @@
 
 #include <cstdint>
 
-#include "compress/kernels.h"
-#include "compress/loops_scalar.h"
+#include "kernels/kernels.h"
+#include "kernels/loops_scalar.h"
 
 namespace fastxfer {
 namespace {

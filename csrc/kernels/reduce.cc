@@ -1,6 +1,6 @@
 // Reduction kernels. They work on blocks of kBlock elements so the float32 accumulator stays in
 // L1 while the N inputs stream past it.
-#include "engine/reduce.h"
+#include "kernels/reduce.h"
 
 #include <cmath>
 #include <cstdint>
@@ -8,7 +8,7 @@
 #include <stdexcept>
 #include <type_traits>
 
-#include "compress/compress.h"
+#include "kernels/compress.h"
 
 namespace fastxfer {
 

@@ -4,7 +4,7 @@
 // copies, compiled with different flags, never get merged by the linker.
 #include <immintrin.h>
 
-#include "compress/kernels.h"
+#include "kernels/kernels.h"
 
 #ifndef FASTXFER_NATIVE_BF16
 #error "define FASTXFER_NATIVE_BF16 before including avx512_impl.h"

@@ -1,5 +1,5 @@
 // Descriptor records: construction, comparison, and readable descriptions for error messages.
-#include "engine/collective.h"
+#include "common/request.h"
 
 #include <sstream>
 

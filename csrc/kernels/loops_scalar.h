@@ -4,7 +4,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "compress/reference.h"
+#include "kernels/reference.h"
 
 namespace fastxfer {
 namespace scalar_loops {

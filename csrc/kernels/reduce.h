@@ -3,7 +3,7 @@
 #include <cstddef>
 
 #include "common/dtype.h"
-#include "engine/collective.h"
+#include "common/request.h"
 
 namespace fastxfer {
 

@@ -1,9 +1,8 @@
 // What one collective call is: its kind, reduction op, and the fixed-size descriptor ranks
-// exchange to agree on order and detect mismatches. Also the engine's error types.
+// exchange to agree on order and detect mismatches.
 #pragma once
 #include <cstdint>
 #include <cstring>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -17,22 +16,6 @@ enum class ReduceOp : int32_t { kSum = 0, kAverage, kMin, kMax };
 const char* kind_name(CollectiveKind k);
 const char* op_name(ReduceOp op);
 ReduceOp op_from_name(const std::string& name);  // throws std::invalid_argument
-
-// A peer died, exited, or did not answer within the timeout.
-class PeerFailure : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-// Ranks disagree on what to do next (names, shapes, dtypes, ops, counts or order).
-class Mismatch : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-// Anything else the engine or transport cannot recover from (e.g. shared memory unavailable).
-class EngineError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
 
 constexpr int kMaxDims = 8;
 

@@ -1,6 +1,6 @@
 // cpuid/xgetbv probe. A feature counts only if the OS enabled its register state in XCR0:
 // a hypervisor can report AVX-512 in cpuid while not saving zmm registers.
-#include "compress/cpu_features.h"
+#include "common/cpu_features.h"
 
 #if defined(FASTXFER_X86)
 #include <cpuid.h>

@@ -1,7 +1,7 @@
 // The scalar path: the reference every SIMD path is tested against, and the path on CPUs
 // (or architectures) without the vector extensions.
-#include "compress/kernels.h"
-#include "compress/loops_scalar.h"
+#include "kernels/kernels.h"
+#include "kernels/loops_scalar.h"
 
 namespace fastxfer {
 

@@ -1,10 +1,10 @@
-// Hierarchical transport: local rounds and chunks in shared memory, global agreement and the
+// Hierarchical collectives: local rounds and chunks in shared memory, global agreement and the
 // cross-host leg of every shard through InterHost.
-#include "transport/hierarchical.h"
+#include "collectives/hierarchical.h"
 
 #include <cstring>
 
-#include "engine/reduce.h"
+#include "kernels/reduce.h"
 
 namespace fastxfer {
 
@@ -38,10 +38,10 @@ uint64_t digest(const std::vector<Record>& recs, size_t m) {
 
 }  // namespace
 
-HierarchicalTransport::HierarchicalTransport(std::unique_ptr<ShmTransport> local, std::shared_ptr<InterHost> inter)
+HierarchicalCollectives::HierarchicalCollectives(std::unique_ptr<ShmCollectives> local, std::shared_ptr<InterHost> inter)
     : local_(std::move(local)), inter_(std::move(inter)) {}
 
-std::vector<std::vector<Record>> HierarchicalTransport::exchange_records(const std::vector<Record>& mine) {
+std::vector<std::vector<Record>> HierarchicalCollectives::exchange_records(const std::vector<Record>& mine) {
   auto gather_all = [&](const std::vector<Record>& recs) {
     std::vector<char> bytes(recs.size() * sizeof(Record));
     std::memcpy(bytes.data(), recs.data(), bytes.size());
@@ -93,9 +93,9 @@ std::vector<std::vector<Record>> HierarchicalTransport::exchange_records(const s
   return all;
 }
 
-void HierarchicalTransport::allreduce(const AllreduceJob& job) {
+void HierarchicalCollectives::allreduce(const AllreduceJob& job) {
   // Reduce each shard within the host (unscaled), across hosts, then scale once.
-  local_->allreduce_staged(job, [&](char* shard, size_t n, DType wire) {
+  local_->allreduce_with_hook(job, [&](char* shard, size_t n, DType wire) {
     inter_->allreduce_shard(shard, n, wire, job.op);
     if (job.postscale != 1.0) {
       const void* src = shard;
@@ -104,16 +104,16 @@ void HierarchicalTransport::allreduce(const AllreduceJob& job) {
   });
 }
 
-void HierarchicalTransport::broadcast(const void* in, void* out, size_t nbytes, int root) {
+void HierarchicalCollectives::broadcast(const void* in, void* out, size_t nbytes, int root) {
   if (inter_->rank() == root && out != in) std::memcpy(out, in, nbytes);
   inter_->broadcast(out, nbytes, root);
 }
 
-void HierarchicalTransport::allgather(const void* in, void* out, const std::vector<size_t>& bytes) {
+void HierarchicalCollectives::allgather(const void* in, void* out, const std::vector<size_t>& bytes) {
   inter_->allgatherv(in, out, bytes);
 }
 
-void HierarchicalTransport::oob_allreduce(const Record& rec, const void* in, void* out, size_t n, DType dtype,
+void HierarchicalCollectives::oob_allreduce(const Record& rec, const void* in, void* out, size_t n, DType dtype,
                                           ReduceOp op, double postscale) {
   inter_->oob_allreduce(in, out, n, dtype, op, describe(rec));
   if (postscale != 1.0) {

@@ -1,0 +1,44 @@
+// Reading buffers out of Python objects at the boundary. Not argument validation (that lives in
+// fastxfer/_validate.py, once for every entry point): these checks only make sure the C++ core
+// never reads or writes past a buffer it was handed, whoever calls the private module.
+#pragma once
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace fastxfer {
+namespace bindings {
+
+namespace py = pybind11;
+
+inline std::string dtype_str(const py::array& a) { return py::str(a.dtype().attr("name")); }
+
+inline size_t size_of(const py::array& a) { return static_cast<size_t>(a.size()); }
+
+inline std::vector<int64_t> shape_of(const py::array& a) {
+  std::vector<int64_t> s;
+  for (py::ssize_t i = 0; i < a.ndim(); ++i) s.push_back(static_cast<int64_t>(a.shape(i)));
+  return s;
+}
+
+// The data pointer of a C-contiguous numpy array of `want_dtype` and `want_size` elements.
+// TypeError for a wrong type/dtype, ValueError for layout, size or writability.
+void* checked_data(const py::handle& obj, const char* what, const std::string& want_dtype, size_t want_size,
+                   bool writable);
+
+// The bytes of a buffer-protocol object (bytes, bytearray, memoryview, numpy array), which must
+// be C-contiguous: a strided view would be read as if it were not.
+py::buffer_info contiguous_bytes(const py::handle& obj, const std::string& what);
+
+// One registration function per area, called by module.cc.
+void bind_kernels(py::module_& m);
+void bind_fusion(py::module_& m);
+void bind_engine(py::module_& m);
+void bind_topology(py::module_& m);
+void bind_data(py::module_& m);
+
+}  // namespace bindings
+}  // namespace fastxfer

@@ -1,0 +1,208 @@
+// fastxfer._core: the engine — start it (joining the job), submit and wait for collectives, the
+// out-of-band lane, statistics; and the bridge that lets the engine thread call the Python MPI link.
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "bindings/arrays.h"
+#include "common/errors.h"
+#include "common/request.h"
+#include "engine/engine.h"
+
+namespace fastxfer {
+namespace bindings {
+
+namespace {
+
+CollectiveKind kind_from_name(const std::string& k) {
+  for (auto c : {CollectiveKind::kAllreduce, CollectiveKind::kBroadcast, CollectiveKind::kAllgather,
+                 CollectiveKind::kBarrier})
+    if (k == kind_name(c)) return c;
+  throw py::value_error("unknown collective '" + k + "'");
+}
+
+// InterHost implemented by a Python object (fastxfer.mpi_transport.MPIInterHost, on mpi4py).
+// Called from the engine thread: takes the GIL for each call; buffers are passed as numpy views
+// (no copy) of raw bytes, with the element dtype named separately.
+class PyInterHost : public InterHost {
+ public:
+  explicit PyInterHost(py::object impl) : impl_(std::move(impl)) {
+    rank_ = impl_.attr("rank").cast<int>();
+    size_ = impl_.attr("size").cast<int>();
+  }
+  ~PyInterHost() override {
+    py::gil_scoped_acquire gil;
+    impl_ = py::object();
+  }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  void allreduce_shard(void* buf, size_t n, DType dtype, ReduceOp op) override {
+    py::gil_scoped_acquire gil;
+    impl_.attr("allreduce_shard")(view(buf, n * dtype_size(dtype)), dtype_name(dtype), op_name(op));
+  }
+  int64_t min_all(int64_t v) override {
+    py::gil_scoped_acquire gil;
+    return impl_.attr("min_all")(v).cast<int64_t>();
+  }
+  std::vector<uint64_t> allgather_u64(uint64_t v) override {
+    py::gil_scoped_acquire gil;
+    return impl_.attr("allgather_u64")(v).cast<std::vector<uint64_t>>();
+  }
+  std::vector<std::vector<char>> allgather_bytes(const std::vector<char>& mine) override {
+    py::gil_scoped_acquire gil;
+    py::list got = impl_.attr("allgather_bytes")(py::bytes(mine.data(), mine.size()));
+    std::vector<std::vector<char>> out;
+    for (auto item : got) {
+      std::string b = item.cast<std::string>();
+      out.emplace_back(b.begin(), b.end());
+    }
+    return out;
+  }
+  void broadcast(void* buf, size_t nbytes, int root) override {
+    py::gil_scoped_acquire gil;
+    impl_.attr("broadcast")(view(buf, nbytes), root);
+  }
+  void allgatherv(const void* in, void* out, const std::vector<size_t>& bytes) override {
+    py::gil_scoped_acquire gil;
+    size_t total = 0;
+    for (size_t b : bytes) total += b;
+    impl_.attr("allgatherv")(view(const_cast<void*>(in), bytes[rank_]), view(out, total), bytes);
+  }
+  void oob_allreduce(const void* in, void* out, size_t n, DType dtype, ReduceOp op,
+                     const std::string& what) override {
+    py::gil_scoped_acquire gil;
+    try {
+      impl_.attr("oob_allreduce")(view(const_cast<void*>(in), n * dtype_size(dtype)),
+                                  view(out, n * dtype_size(dtype)), dtype_name(dtype), op_name(op), what);
+    } catch (py::error_already_set& e) {
+      // keep the engine's error model: a disagreement poisons the group on every rank
+      if (e.matches(py::module_::import("fastxfer.errors").attr("MismatchError"))) throw Mismatch(e.what());
+      throw;
+    }
+  }
+
+ private:
+  static py::array view(void* p, size_t nbytes) {
+    py::capsule keep(p, [](void*) {});  // the transport owns the memory; the view must not outlive the call
+    return py::array(py::dtype("uint8"), {static_cast<py::ssize_t>(nbytes)}, {1}, static_cast<uint8_t*>(p), keep);
+  }
+  py::object impl_;
+  int rank_ = 0, size_ = 1;
+};
+
+}  // namespace
+
+void bind_engine(py::module_& m) {
+  py::class_<Engine>(m, "Engine", "The background collective engine over shared memory (one per process).")
+      .def(py::init([](const std::string& name, int rank, int size, size_t window_bytes, size_t oob_bytes,
+                       double timeout_s, double attach_timeout_s, int threads, std::vector<int> cpus,
+                       size_t bucket_cap_bytes, int max_records, size_t stream_min_bytes, py::object inter_host) {
+             JobConfig job;
+             job.shm.name = name;
+             job.shm.rank = rank;
+             job.shm.size = size;
+             job.shm.window_bytes = window_bytes;
+             job.shm.oob_bytes = oob_bytes;
+             job.shm.timeout_s = timeout_s;
+             job.shm.attach_timeout_s = attach_timeout_s;
+             job.shm.max_records = max_records;
+             job.threads = threads;
+             job.stream_min_bytes = stream_min_bytes;
+             job.engine.bucket_cap_bytes = bucket_cap_bytes;
+             job.engine.max_records = max_records;
+             job.engine.cpus = std::move(cpus);
+             std::shared_ptr<InterHost> inter;
+             if (!inter_host.is_none()) inter = std::make_shared<PyInterHost>(inter_host);
+             py::gil_scoped_release nogil;  // waits for the other ranks to attach
+             return start_engine(job, inter);
+           }),
+           py::arg("name"), py::arg("rank"), py::arg("size"), py::arg("window_bytes"), py::arg("oob_bytes"),
+           py::arg("timeout_s"), py::arg("attach_timeout_s"), py::arg("threads"), py::arg("cpus"),
+           py::arg("bucket_cap_bytes"), py::arg("max_records"), py::arg("stream_min_bytes"),
+           py::arg("inter_host") = py::none())
+      .def_property_readonly("rank", &Engine::rank)
+      .def_property_readonly("size", &Engine::size)
+      .def_property_readonly("oob_capacity", &Engine::oob_capacity)
+      .def_property_readonly("running", &Engine::running)
+      .def(
+          "submit",
+          [](Engine& eng, const std::string& kind, const std::string& name, py::object input, py::object output,
+             const std::string& op, const std::string& compression, int root, double prescale, double postscale,
+             int64_t bucket_cap) {
+            Request r;
+            r.kind = kind_from_name(kind);
+            r.op = op_from_name(op);
+            r.compression = compression_from_name(compression);
+            r.root = root;
+            r.prescale = prescale;
+            r.postscale = postscale;
+            std::vector<int64_t> shape;
+            if (!input.is_none()) {
+              py::array in = input.cast<py::array>();
+              r.dtype = dtype_from_name(dtype_str(in));
+              r.numel = size_of(in);
+              shape = shape_of(in);
+              r.in = checked_data(in, "input", dtype_str(in), r.numel, false);
+            }
+            if (!output.is_none()) {
+              py::array out = output.cast<py::array>();
+              r.out = checked_data(out, "output", dtype_name(r.dtype), r.numel, true);
+            }
+            r.rec = make_record(r.kind, name, r.dtype, shape, r.op, r.compression, root, prescale, postscale);
+            r.rec.bucket_cap = bucket_cap;
+            return eng.submit(std::move(r));
+          },
+          py::arg("kind"), py::arg("name"), py::arg("input"), py::arg("output"), py::arg("op") = "sum",
+          py::arg("compression") = "none", py::arg("root") = 0, py::arg("prescale") = 1.0,
+          py::arg("postscale") = 1.0, py::arg("bucket_cap") = 0)
+      .def("wait", &Engine::wait, py::arg("id"), py::call_guard<py::gil_scoped_release>())
+      .def("done", &Engine::done, py::arg("id"))
+      .def("release", &Engine::release, py::arg("id"))
+      .def("take_finished", &Engine::take_finished)
+      .def(
+          "take_gathered",
+          [](Engine& eng, uint64_t id) {
+            int64_t rows = 0;
+            auto* vec = new std::vector<char>(eng.take_gathered(id, &rows));
+            py::capsule owner(vec, [](void* p) { delete static_cast<std::vector<char>*>(p); });
+            py::array_t<uint8_t> bytes({static_cast<py::ssize_t>(vec->size())}, {1},
+                                       reinterpret_cast<uint8_t*>(vec->data()), owner);
+            return py::make_tuple(bytes, rows);
+          },
+          py::arg("id"))
+      .def(
+          "oob_allreduce",
+          [](Engine& eng, py::array in, py::array out, const std::string& name, const std::string& op,
+             double postscale) {
+            DType dt = dtype_from_name(dtype_str(in));
+            size_t n = size_of(in);
+            const void* src = checked_data(in, "input", dtype_str(in), n, false);
+            void* dst = checked_data(out, "output", dtype_name(dt), n, true);
+            ReduceOp rop = op_from_name(op);
+            Record rec = make_record(CollectiveKind::kAllreduce, name, dt, shape_of(in), rop, Compression::kNone, 0,
+                                     1.0, postscale);
+            py::gil_scoped_release nogil;
+            eng.oob_allreduce(rec, src, dst, n, dt, rop, postscale);
+          },
+          py::arg("input"), py::arg("output"), py::arg("name"), py::arg("op"), py::arg("postscale"))
+      .def("stats",
+           [](const Engine& eng) {
+             CommStats s = eng.stats();
+             py::dict d;
+             d["pack_s"] = s.pack;
+             d["wait_s"] = s.wait;
+             d["reduce_s"] = s.reduce;
+             d["unpack_s"] = s.unpack;
+             d["negotiate_s"] = s.negotiate;
+             d["chunks"] = s.chunks;
+             d["rounds"] = s.rounds;
+             d["wire_bytes"] = s.bytes;
+             return d;
+           })
+      .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace bindings
+}  // namespace fastxfer

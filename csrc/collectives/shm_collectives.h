@@ -1,0 +1,44 @@
+// The collectives among the ranks of one host, over one shared-memory segment: each call runs
+// one algorithm file (shm_allreduce.cc, shm_broadcast.cc, ...) on the shared context.
+#pragma once
+#include "collectives/collectives.h"
+#include "collectives/shm_context.h"
+#include "transport/shm/segment.h"
+
+namespace fastxfer {
+
+class ShmCollectives : public Collectives {
+ public:
+  // `threads`: threads for pack/unpack inside one chunk; buckets whose outputs reach
+  // `stream_min_bytes` are written with streaming stores.
+  ShmCollectives(const ShmConfig& cfg, int threads, size_t stream_min_bytes);
+
+  int rank() const override { return seg_.rank(); }
+  int size() const override { return seg_.size(); }
+  std::vector<std::vector<Record>> exchange_records(const std::vector<Record>& mine) override {
+    return shm_exchange_records(ctx_, mine);
+  }
+  void allreduce(const AllreduceJob& job) override { shm_allreduce(ctx_, job, nullptr); }
+  // The hierarchical allreduce's local legs (see ShardHook).
+  void allreduce_with_hook(const AllreduceJob& job, const ShardHook& between) { shm_allreduce(ctx_, job, between); }
+  void broadcast(const void* in, void* out, size_t nbytes, int root) override {
+    shm_broadcast(ctx_, in, out, nbytes, root);
+  }
+  void allgather(const void* in, void* out, const std::vector<size_t>& bytes) override {
+    shm_allgather(ctx_, in, out, bytes);
+  }
+  void oob_allreduce(const Record& rec, const void* in, void* out, size_t n, DType dtype, ReduceOp op,
+                     double postscale) override {
+    shm_oob_allreduce(ctx_, rec, in, out, n, dtype, op, postscale);
+  }
+  void mark_exited(bool clean, const char* why) override { seg_.mark_exited(clean, why); }
+  size_t oob_capacity() const override { return shm_oob_capacity(ctx_); }
+  void abort() override { seg_.abort(); }
+  CommStats stats() const override { return ctx_.stats; }
+
+ private:
+  ShmSegment seg_;
+  ShmContext ctx_;
+};
+
+}  // namespace fastxfer

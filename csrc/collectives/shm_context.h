@@ -1,0 +1,66 @@
+// What the shared-memory collectives share: the segment, the sequence numbers that keep every
+// rank's use of it in lock-step, and the one chunk protocol they all stream through.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "collectives/collectives.h"
+#include "transport/shm/segment.h"
+
+namespace fastxfer {
+
+struct ShmContext {
+  explicit ShmContext(ShmSegment& s) : seg(s) {}
+  ShmSegment& seg;
+  int threads = 1;                     // threads for pack/unpack inside one chunk
+  size_t stream_min_bytes = 4u << 20;  // buckets whose outputs are this large use streaming stores
+  // Sequence numbers, the same on every rank. 64-bit here so "is this the first use" tests never
+  // wrap; the shared counters carry the low 32 bits (compared with serial arithmetic).
+  uint64_t chunk = 0;    // window chunks done (by every collective that streams through the window)
+  uint64_t round = 0;    // negotiation rounds done
+  uint64_t oob_seq = 0;  // out-of-band reductions done
+  CommStats stats;
+};
+
+// The window protocol, written once. Chunk g uses half g & 1 of every rank's window:
+//   begin: wait until every rank has consumed chunk g - 2, the last one to use this half;
+//   (the collective writes its half, publishes kReady, reads the peers' halves ...)
+//   end:   publish kConsumed = g + 1 (I read all I need from everyone's half) and move on.
+struct WindowChunk {
+  uint32_t g;    // low 32 bits of the chunk's sequence number (what the counters carry)
+  int half;      // which half of each window this chunk uses
+  uint32_t done() const { return g + 1; }  // the counter value that says "this chunk's step is done"
+};
+
+inline WindowChunk begin_chunk(ShmContext& c, const char* what) {
+  WindowChunk ch{static_cast<uint32_t>(c.chunk), static_cast<int>(c.chunk & 1)};
+  // this half was last used two chunks ago: wait until every rank has finished reading it
+  if (c.chunk >= 2) c.seg.wait_all(Phase::kConsumed, ch.g - 1, what);
+  return ch;
+}
+
+inline void end_chunk(ShmContext& c, const WindowChunk& ch) {
+  c.seg.publish(Phase::kConsumed, ch.done());
+  ++c.chunk;
+}
+
+// One algorithm per file (collectives/shm_*.cc); docs/algorithms.md lists their steps and bytes.
+
+// Agree on the next requests: every rank's record list, indexed by rank (shm_negotiate.cc).
+std::vector<std::vector<Record>> shm_exchange_records(ShmContext& c, const std::vector<Record>& mine);
+
+// For the hierarchical allreduce: after the shard a rank owns is reduced within the host (and
+// before anyone copies it), `between(shard, n, wire)` runs on it; postscale is then its job.
+using ShardHook = std::function<void(char* shard, size_t n, DType wire)>;
+// Reduce-scatter then allgather through the window, chunk by chunk (shm_allreduce.cc).
+void shm_allreduce(ShmContext& c, const AllreduceJob& job, const ShardHook& between);
+void shm_broadcast(ShmContext& c, const void* in, void* out, size_t nbytes, int root);     // shm_broadcast.cc
+void shm_allgather(ShmContext& c, const void* in, void* out, const std::vector<size_t>& bytes);  // shm_allgather.cc
+// Through each rank's out-of-band slot, never the window (shm_oob_allreduce.cc).
+void shm_oob_allreduce(ShmContext& c, const Record& rec, const void* in, void* out, size_t n, DType dtype,
+                       ReduceOp op, double postscale);
+inline size_t shm_oob_capacity(const ShmContext& c) { return c.seg.config().oob_bytes - sizeof(Record); }
+
+}  // namespace fastxfer

@@ -1,0 +1,82 @@
+// One POSIX shared-memory segment shared by the ranks of a host: its layout, start-up, the
+// per-rank progress counters peers wait on, and the liveness checks that turn a dead or silent
+// peer into an error. It moves no data itself: collectives write into the areas it hands out and
+// publish their progress through its counters (collectives/shm_*.cc).
+#pragma once
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "common/request.h"
+#include "transport/shm/sync.h"
+
+namespace fastxfer {
+
+struct ShmConfig {
+  std::string name;            // "/fastxfer-..." — unguessable, per job (from the launcher or MPI)
+  int rank = 0;                // rank among the processes sharing this segment
+  int size = 1;
+  size_t window_bytes = 16u << 20;  // per-rank staging window (two halves, double-buffered)
+  size_t oob_bytes = 1u << 20;      // per-rank out-of-band slot
+  int max_records = 1024;           // request descriptors one negotiation round can carry
+  double timeout_s = 300;           // a peer that does not answer for this long is a failure
+  double attach_timeout_s = 120;    // how long ranks wait for each other at start-up
+};
+
+// The counters each rank publishes, one per protocol phase. What a phase means is the business of
+// the collective that uses it; the segment only stores, publishes and waits.
+enum class Phase : int { kReady = 0, kReduced, kConsumed, kRound, kOobReady, kOobConsumed };
+constexpr int kPhases = 6;
+
+class ShmSegment {
+ public:
+  // Rank 0 creates the segment (O_EXCL, mode 0600), the others open it; once all have attached,
+  // rank 0 unlinks the name, so nothing is left in /dev/shm even if every rank is killed later.
+  explicit ShmSegment(const ShmConfig& cfg);
+  ~ShmSegment();
+  ShmSegment(const ShmSegment&) = delete;
+  ShmSegment& operator=(const ShmSegment&) = delete;
+
+  int rank() const { return cfg_.rank; }
+  int size() const { return cfg_.size; }
+  const ShmConfig& config() const { return cfg_; }
+
+  // Rank j's areas. Every rank writes only its own; it reads the others'.
+  char* window(int j, int half) const;       // half of rank j's staging window (0 or 1)
+  size_t window_half_bytes() const { return cfg_.window_bytes / 2; }
+  char* oob_slot(int j) const;               // rank j's out-of-band slot (oob_bytes)
+  Record* records(int j, int buf) const;     // rank j's record buffer `buf` (0 or 1), max_records long
+  uint32_t* record_count(int j, int buf) const;
+
+  // Stores my counter for `phase` and wakes whoever sleeps on it.
+  void publish(Phase phase, uint32_t value);
+  // Blocks until rank j's counter for `phase` reaches `target` (serial arithmetic), failing fast
+  // with PeerFailure when a peer died, failed or fell silent; `what` names the step for errors.
+  void wait_one(int j, Phase phase, uint32_t target, const char* what);
+  void wait_all(Phase phase, uint32_t target, const char* what);
+
+  // Tells the peers this rank is leaving: cleanly (after a shutdown) or with an error message,
+  // so they fail fast instead of waiting for a timeout.
+  void mark_exited(bool clean, const char* why);
+  // Makes every wait in progress (and later) throw EngineError.
+  void abort() { aborted_.store(true); }
+
+ private:
+  struct Header;
+  struct Control;
+
+  void attach(bool creator, double deadline);  // the constructor's part after mmap
+  Control& ctl(int j) const;
+  shm::Counter& counter(int j, Phase phase) const;
+  void check_peers(int waiting_for, const char* what, double waited_s);
+
+  ShmConfig cfg_;
+  int fd_ = -1;
+  void* base_ = nullptr;
+  size_t total_ = 0;
+  size_t stride_ = 0, ctl_off_ = 0, rec_off_ = 0, oob_off_ = 0, win_off_ = 0, header_bytes_ = 0;
+  std::atomic<bool> aborted_{false};
+};
+
+}  // namespace fastxfer
