@@ -44,7 +44,6 @@ class BatchDecoder {
   ~BatchDecoder();
 
   const std::string& library_path() const;
-  std::string library_version() const;  // e.g. "libjpeg-turbo 3.2.0" when the library says so
   int threads() const { return threads_; }
 
   // Decodes, crops, resizes and normalises images[i] into out + i * out_h*out_w*3 elements of

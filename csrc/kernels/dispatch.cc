@@ -1,5 +1,6 @@
 // Run-time choice of the SIMD path, and the threaded wrappers around the kernels.
 #include "kernels/compress.h"
+#include "kernels/resample_kernels.h"
 
 #include <atomic>
 #include <cstdlib>
@@ -118,6 +119,13 @@ void init_simd_level_from_env() {
 }
 
 const CompressKernels& active_kernels() { return *active().load(); }
+
+const ResampleKernels& resample_kernels() {
+#if defined(FASTXFER_X86)
+  if (active_simd_level() >= SimdLevel::kAvx512) return kAvx512Resample;
+#endif
+  return kPortableResample;
+}
 
 namespace {
 thread_local bool t_stream_stores = false;
