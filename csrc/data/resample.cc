@@ -155,5 +155,29 @@ void Resampler::run(RowSource& src, int y0, int x0, int ch, int cw, int oh, int 
   }
 }
 
+bool box_inside(int height, int width, int y0, int x0, int ch, int cw) {
+  return ch >= 1 && cw >= 1 && y0 >= 0 && x0 >= 0 && y0 <= height - ch && x0 <= width - cw;
+}
+
+void check_std(const float std_[3]) {
+  for (int c = 0; c < 3; ++c)
+    if (!(std_[c] != 0.0f)) throw std::invalid_argument("std must be non-zero in every channel");
+}
+
+void resize_image(const uint8_t* img, int height, int width, int channels, int y0, int x0, int ch, int cw, int oh,
+                  int ow, const Augment& aug, const float mean[3], const float std_[3], void* out, OutType out_type) {
+  if (!(channels == 1 || channels == 3 || channels == 4))
+    throw std::invalid_argument("img must be H x W x C with C = 1, 3 or 4");
+  if (oh < 1 || ow < 1) throw std::invalid_argument("out must not be empty");
+  if (!box_inside(height, width, y0, x0, ch, cw))
+    throw std::invalid_argument("crop box (y0=" + std::to_string(y0) + ", x0=" + std::to_string(x0) + ", h=" +
+                                std::to_string(ch) + ", w=" + std::to_string(cw) + ") is not inside the " +
+                                std::to_string(height) + "x" + std::to_string(width) + " image");
+  check_std(std_);
+  U8Rows rows(img, width, channels, x0, cw);
+  Resampler r;
+  r.run(rows, y0, x0, ch, cw, oh, ow, aug, mean, std_, out, out_type);
+}
+
 }  // namespace data
 }  // namespace fastxfer

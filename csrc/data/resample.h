@@ -1,5 +1,5 @@
 // Crop + resize + flip + colour jitter + normalisation of one image into a batch slot: the
-// native counterpart of fastxfer/data/kernels.py's Numba kernel, with the same filter (separable
+// native counterpart of fastxfer/data/decoders/numba_ref.py's Numba kernel, with the same filter (separable
 // triangle, widened by the shrink factor: PIL's antialiased BILINEAR) and the same arithmetic up
 // to float rounding order.
 //
@@ -10,6 +10,8 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 namespace fastxfer {
@@ -62,6 +64,13 @@ class U8Rows : public RowSource {
   int width_, channels_, x0_, cw_;
 };
 
+// Whether the crop [y0, y0+ch) x [x0, x0+cw) is non-empty and lies inside a height x width image
+// (overflow-safe). Every entry point of the data layer checks its boxes with this before any pixel
+// is touched.
+bool box_inside(int height, int width, int y0, int x0, int ch, int cw);
+// std::invalid_argument unless every channel's std is non-zero (normalising divides by it).
+void check_std(const float std_[3]);
+
 // Reusable buffers and the resampling itself (one per thread).
 class Resampler {
  public:
@@ -82,6 +91,11 @@ class Resampler {
   std::vector<float> acc_;     // one vertically filtered row: cw x 4 (+ padding)
   std::vector<float> pix_;     // oh x ow x 3 before normalisation (with contrast/saturation or bf16)
 };
+
+// Crop + resize + augment + normalise one H x W x C uint8 image in memory (C = 1, 3 or 4) into
+// out (oh x ow x 3 of out_type); std::invalid_argument for a box outside the image or a zero std.
+void resize_image(const uint8_t* img, int height, int width, int channels, int y0, int x0, int ch, int cw, int oh,
+                  int ow, const Augment& aug, const float mean[3], const float std_[3], void* out, OutType out_type);
 
 }  // namespace data
 }  // namespace fastxfer
