@@ -37,6 +37,14 @@ void read_mean_std(const py::array& mean, const py::array& std_, float m[3], flo
 }  // namespace
 
 void bind_data(py::module_& m) {
+  py::class_<data::TileLayout>(m, "TileLayout", "The MCU grid of a tiled JPEG.")
+      .def_readonly("height", &data::TileLayout::height)
+      .def_readonly("width", &data::TileLayout::width)
+      .def_readonly("mcu_h", &data::TileLayout::mcu_h)
+      .def_readonly("mcu_w", &data::TileLayout::mcu_w)
+      .def_readonly("rows", &data::TileLayout::rows)
+      .def_readonly("cols", &data::TileLayout::cols)
+      .def_readonly("subsampled", &data::TileLayout::subsampled);
   m.def("jpeg_support", [] { return py::make_tuple(data::jpeg_support_built(), data::jpeg_support_note()); },
         "(built, note): whether this build has the ROI JPEG decoder, and why not.");
   m.def(
@@ -46,15 +54,7 @@ void bind_data(py::module_& m) {
         data::TileLayout t;
         if (!data::parse_tile_layout(static_cast<const uint8_t*>(v.ptr), static_cast<size_t>(v.size * v.itemsize), &t))
           return py::none();
-        py::dict d;
-        d["height"] = t.height;
-        d["width"] = t.width;
-        d["mcu_h"] = t.mcu_h;
-        d["mcu_w"] = t.mcu_w;
-        d["rows"] = t.rows;
-        d["cols"] = t.cols;
-        d["subsampled"] = t.subsampled;
-        return d;
+        return py::cast(t);
       },
       py::arg("data"), "The MCU grid of a tiled JPEG (restart marker after every MCU), or None for any other data.");
   m.def(

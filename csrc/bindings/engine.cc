@@ -95,6 +95,15 @@ class PyInterHost : public InterHost {
 }  // namespace
 
 void bind_engine(py::module_& m) {
+  py::class_<CommStats>(m, "CommStats", "Where the collectives' time went, cumulative since init (seconds).")
+      .def_readonly("pack_s", &CommStats::pack)
+      .def_readonly("wait_s", &CommStats::wait)
+      .def_readonly("reduce_s", &CommStats::reduce)
+      .def_readonly("unpack_s", &CommStats::unpack)
+      .def_readonly("negotiate_s", &CommStats::negotiate)
+      .def_readonly("chunks", &CommStats::chunks)
+      .def_readonly("rounds", &CommStats::rounds)
+      .def_readonly("wire_bytes", &CommStats::bytes);
   py::class_<Engine>(m, "Engine", "The background collective engine over shared memory (one per process).")
       .def(py::init([](const std::string& name, int rank, int size, size_t window_bytes, size_t oob_bytes,
                        double timeout_s, double attach_timeout_s, int threads, std::vector<int> cpus,
@@ -187,20 +196,7 @@ void bind_engine(py::module_& m) {
             eng.oob_allreduce(rec, src, dst, n, dt, rop, postscale);
           },
           py::arg("input"), py::arg("output"), py::arg("name"), py::arg("op"), py::arg("postscale"))
-      .def("stats",
-           [](const Engine& eng) {
-             CommStats s = eng.stats();
-             py::dict d;
-             d["pack_s"] = s.pack;
-             d["wait_s"] = s.wait;
-             d["reduce_s"] = s.reduce;
-             d["unpack_s"] = s.unpack;
-             d["negotiate_s"] = s.negotiate;
-             d["chunks"] = s.chunks;
-             d["rounds"] = s.rounds;
-             d["wire_bytes"] = s.bytes;
-             return d;
-           })
+      .def("stats", &Engine::stats)
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>());
 }
 

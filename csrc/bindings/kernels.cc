@@ -50,22 +50,19 @@ void bind_kernels(py::module_& m) {
   });
   m.def("_set_simd_level", [](const std::string& name) { set_simd_level(simd_level_from_name(name)); },
         py::arg("level"));
-  m.def("cpu_features", [] {
-    const CpuFeatures& f = cpu_features();
-    py::dict d;
-    d["avx2"] = f.avx2;
-    d["f16c"] = f.f16c;
-    d["fma"] = f.fma;
-    d["avx512f"] = f.avx512f;
-    d["avx512bw"] = f.avx512bw;
-    d["avx512vl"] = f.avx512vl;
-    d["avx512dq"] = f.avx512dq;
-    d["avx512_bf16"] = f.avx512_bf16;
-    d["avx512_fp16"] = f.avx512_fp16;
-    d["amx_bf16"] = f.amx_bf16;
-    d["amx_tile"] = f.amx_tile;
-    return d;
-  });
+  py::class_<CpuFeatures>(m, "CpuFeatures", "What cpuid and XCR0 say this CPU (and OS) supports.")
+      .def_readonly("avx2", &CpuFeatures::avx2)
+      .def_readonly("f16c", &CpuFeatures::f16c)
+      .def_readonly("fma", &CpuFeatures::fma)
+      .def_readonly("avx512f", &CpuFeatures::avx512f)
+      .def_readonly("avx512bw", &CpuFeatures::avx512bw)
+      .def_readonly("avx512vl", &CpuFeatures::avx512vl)
+      .def_readonly("avx512dq", &CpuFeatures::avx512dq)
+      .def_readonly("avx512_bf16", &CpuFeatures::avx512_bf16)
+      .def_readonly("avx512_fp16", &CpuFeatures::avx512_fp16)
+      .def_readonly("amx_bf16", &CpuFeatures::amx_bf16)
+      .def_readonly("amx_tile", &CpuFeatures::amx_tile);
+  m.def("cpu_features", &cpu_features, py::return_value_policy::reference);
   m.def("default_threads", &default_threads);
   m.def(
       "_set_stream_stores",

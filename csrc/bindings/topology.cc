@@ -10,78 +10,53 @@ namespace fastxfer {
 namespace bindings {
 
 void bind_topology(py::module_& m) {
-  m.def(
-      "probe_topology",
-      [](const std::string& root, bool live) {
-        Topology t = probe_topology(root, live);
-        py::list cpus, nodes, caches;
-        for (const auto& c : t.cpus) {
-          py::dict d;
-          d["cpu"] = c.cpu;
-          d["socket"] = c.socket;
-          d["core"] = c.core;
-          d["node"] = c.node;
-          d["online"] = c.online;
-          d["allowed"] = c.allowed;
-          cpus.append(d);
-        }
-        for (const auto& n : t.nodes) {
-          py::dict d;
-          d["id"] = n.id;
-          d["cpus"] = format_cpu_list(n.cpus);
-          d["memory_mb"] = n.memory_mb;
-          nodes.append(d);
-        }
-        for (const auto& c : t.caches) {
-          py::dict d;
-          d["level"] = c.level;
-          d["type"] = c.type;
-          d["size_kb"] = c.size_kb;
-          caches.append(d);
-        }
-        py::dict isa;
-        isa["avx2"] = t.isa.avx2;
-        isa["f16c"] = t.isa.f16c;
-        isa["avx512f"] = t.isa.avx512f;
-        isa["avx512_bf16"] = t.isa.avx512_bf16;
-        isa["amx_bf16"] = t.isa.amx_bf16;
-        isa["amx_tile"] = t.isa.amx_tile;
-        py::dict out;
-        out["sockets"] = t.sockets();
-        out["cores"] = t.cores();
-        out["threads_per_core"] = t.threads_per_core();
-        out["cpus"] = cpus;
-        out["numa_nodes"] = nodes;
-        out["caches"] = caches;
-        out["isa"] = isa;
-        out["notes"] = t.notes;
-        return out;
-      },
-      py::arg("root") = "/", py::arg("live") = true);
-  m.def(
-      "plan_workers",
-      [](const std::string& root, bool live, int workers, const std::string& prefer) {
-        Plan p = plan_workers(probe_topology(root, live), workers, prefer);
-        py::list ws;
-        for (const auto& w : p.workers) {
-          py::dict d;
-          d["local_rank"] = w.local_rank;
-          d["cpus"] = format_cpu_list(w.cpus);
-          d["mem_nodes"] = w.mem_nodes;
-          d["numactl"] = w.numactl;
-          d["env"] = w.env;
-          d["intra_op_threads"] = w.intra_op_threads;
-          d["inter_op_threads"] = w.inter_op_threads;
-          d["comm_cpus"] = format_cpu_list(w.comm_cpus);
-          ws.append(d);
-        }
-        py::dict out;
-        out["mode"] = p.mode;
-        out["workers"] = ws;
-        out["precision_policy"] = p.precision_policy;
-        return out;
-      },
-      py::arg("root"), py::arg("live"), py::arg("workers"), py::arg("prefer") = "socket");
+  py::class_<CpuEntry>(m, "CpuEntry", "One logical CPU as sysfs describes it.")
+      .def_readonly("cpu", &CpuEntry::cpu)
+      .def_readonly("socket", &CpuEntry::socket)
+      .def_readonly("core", &CpuEntry::core)
+      .def_readonly("node", &CpuEntry::node)
+      .def_readonly("online", &CpuEntry::online)
+      .def_readonly("allowed", &CpuEntry::allowed);
+  py::class_<NodeEntry>(m, "NodeEntry", "One NUMA node: its CPUs (online or not) and memory.")
+      .def_readonly("id", &NodeEntry::id)
+      .def_readonly("cpus", &NodeEntry::cpus)
+      .def_readonly("memory_mb", &NodeEntry::memory_mb);
+  py::class_<CacheEntry>(m, "CacheEntry", "One cache of the first usable CPU.")
+      .def_readonly("level", &CacheEntry::level)
+      .def_readonly("type", &CacheEntry::type)
+      .def_readonly("size_kb", &CacheEntry::size_kb);
+  py::class_<Isa>(m, "Isa", "The instruction-set features placement and precision depend on.")
+      .def_readonly("avx2", &Isa::avx2)
+      .def_readonly("f16c", &Isa::f16c)
+      .def_readonly("avx512f", &Isa::avx512f)
+      .def_readonly("avx512_bf16", &Isa::avx512_bf16)
+      .def_readonly("amx_bf16", &Isa::amx_bf16)
+      .def_readonly("amx_tile", &Isa::amx_tile);
+  py::class_<Topology>(m, "Topology", "The machine (or a snapshot of one) as probe_topology found it.")
+      .def_readonly("cpus", &Topology::cpus)
+      .def_readonly("nodes", &Topology::nodes)
+      .def_readonly("caches", &Topology::caches)
+      .def_readonly("isa", &Topology::isa)
+      .def_readonly("notes", &Topology::notes)
+      .def_property_readonly("sockets", &Topology::sockets)
+      .def_property_readonly("cores", &Topology::cores)
+      .def_property_readonly("threads_per_core", &Topology::threads_per_core);
+  py::class_<WorkerPlacement>(m, "WorkerPlacement", "Where one local worker runs and how many threads it uses.")
+      .def_readonly("local_rank", &WorkerPlacement::local_rank)
+      .def_readonly("cpus", &WorkerPlacement::cpus)
+      .def_readonly("mem_nodes", &WorkerPlacement::mem_nodes)
+      .def_readonly("comm_cpus", &WorkerPlacement::comm_cpus)
+      .def_readonly("intra_op_threads", &WorkerPlacement::intra_op_threads)
+      .def_readonly("inter_op_threads", &WorkerPlacement::inter_op_threads)
+      .def_readonly("numactl", &WorkerPlacement::numactl)
+      .def_readonly("env", &WorkerPlacement::env);
+  py::class_<Plan>(m, "Plan", "The placement of N workers on a topology.")
+      .def_readonly("mode", &Plan::mode)
+      .def_readonly("workers", &Plan::workers)
+      .def_readonly("precision_policy", &Plan::precision_policy);
+  m.def("probe_topology", &probe_topology, py::arg("root") = "/", py::arg("live") = true,
+        "root='/' and live=True: this machine; otherwise a snapshot laid out like / under root.");
+  m.def("plan_workers", &plan_workers, py::arg("topology"), py::arg("workers"), py::arg("prefer") = "socket");
   m.def("format_cpu_list", &format_cpu_list, py::arg("cpus"));
   m.def("parse_cpu_list", [](const std::string& s) { return parse_cpu_list(s, "argument"); }, py::arg("text"));
   m.def("bind_cpus", &bind_cpus, py::arg("cpus"));

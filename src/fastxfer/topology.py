@@ -11,32 +11,68 @@ import os
 import sys
 
 from fastxfer import _core
+from fastxfer.errors import TopologyError
 
 DESIGN_KEYS = ("sockets", "cores", "threads_per_core", "numa_nodes", "isa", "workers")
 
 
-def _cpu_list(cpus) -> str:
-    return _core.format_cpu_list(sorted(cpus))
+def parse_cpu_list(text: str) -> list[int]:
+    """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11] (the sysfs cpulist form; sorted, no repeats).
+
+    The native parser is the one sysfs files go through too, so every CPU list fastxfer reads
+    (sysfs, --cpus, FASTXFER_ENGINE_CPUS) follows the same grammar."""
+    try:
+        return list(_core.parse_cpu_list(text))
+    except TopologyError:
+        raise TopologyError(f"bad CPU list {text!r}: expected items like 3 or 0-7, joined with ','") from None
+
+
+def format_cpu_list(cpus) -> str:
+    """[0, 1, 2, 3, 8] -> '0-3,8': the canonical sysfs form of any iterable of CPU numbers."""
+    return _core.format_cpu_list(sorted(set(cpus)))
+
+
+ISA_KEYS = ("avx2", "f16c", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def _topology_dict(t) -> dict:
+    """The native Topology as plain data (what `fastxfer topo --json` prints)."""
+    cpus = [{k: getattr(c, k) for k in ("cpu", "socket", "core", "node", "online", "allowed")} for c in t.cpus]
+    return {
+        "sockets": t.sockets,
+        "cores": t.cores,
+        "threads_per_core": t.threads_per_core,
+        "cpus": cpus,
+        "numa_nodes": [{"id": n.id, "cpus": format_cpu_list(n.cpus), "memory_mb": n.memory_mb} for n in t.nodes],
+        "caches": [{"level": c.level, "type": c.type, "size_kb": c.size_kb} for c in t.caches],
+        "isa": {k: getattr(t.isa, k) for k in ISA_KEYS},
+        "notes": list(t.notes),
+        "online": format_cpu_list(c["cpu"] for c in cpus if c["online"]),
+        "offline": format_cpu_list(c["cpu"] for c in cpus if not c["online"]),
+        "allowed": format_cpu_list(c["cpu"] for c in cpus if c["online"] and c["allowed"]),
+    }
+
+
+def _worker_dict(w) -> dict:
+    return {"local_rank": w.local_rank, "cpus": format_cpu_list(w.cpus), "mem_nodes": list(w.mem_nodes),
+            "numactl": w.numactl, "env": dict(w.env), "intra_op_threads": w.intra_op_threads,
+            "inter_op_threads": w.inter_op_threads, "comm_cpus": format_cpu_list(w.comm_cpus)}
 
 
 def probe(root: str | None = None) -> dict:
     """The machine (root=None) or a snapshot directory laid out like / (DIR/sys/..., DIR/proc/...)."""
-    t = dict(_core.probe_topology(root or "/", root is None))
-    cpus = t["cpus"]
-    t["online"] = _cpu_list(c["cpu"] for c in cpus if c["online"])
-    t["offline"] = _cpu_list(c["cpu"] for c in cpus if not c["online"])
-    t["allowed"] = _cpu_list(c["cpu"] for c in cpus if c["online"] and c["allowed"])
-    return t
+    return _topology_dict(_core.probe_topology(root or "/", root is None))
 
 
 def plan(workers: int | None = None, root: str | None = None, prefer: str = "socket") -> dict:
     """Topology plus the placement of `workers` (default: one per socket) as DESIGN.md's JSON."""
-    topo = probe(root)
+    native = _core.probe_topology(root or "/", root is None)
+    topo = _topology_dict(native)
     n = workers if workers is not None else topo["sockets"]
-    p = _core.plan_workers(root or "/", root is None, int(n), prefer)
+    p = _core.plan_workers(native, int(n), prefer)
     out = {k: topo[k] for k in ("sockets", "cores", "threads_per_core", "numa_nodes", "isa")}
-    out["workers"] = p["workers"]
-    out.update(mode=p["mode"], precision_policy=p["precision_policy"], online=topo["online"],
+    out["workers"] = [_worker_dict(w) for w in p.workers]
+    out.update(mode=p.mode, precision_policy=p.precision_policy, online=topo["online"],
                offline=topo["offline"], allowed=topo["allowed"], caches=topo["caches"], notes=topo["notes"])
     out["_cpus"] = topo["cpus"]
     return out
@@ -48,9 +84,9 @@ def _marks(result: dict) -> dict[int, str]:
     digits = "0123456789abcdefghijklmnopqrstuvwxyz"
     for w in result["workers"]:
         ch = digits[w["local_rank"] % len(digits)]
-        for c in _core.parse_cpu_list(w["cpus"]):
+        for c in parse_cpu_list(w["cpus"]):
             marks[c] = ch
-        for c in _core.parse_cpu_list(w["comm_cpus"]):
+        for c in parse_cpu_list(w["comm_cpus"]):
             marks[c] = "*"
     return marks
 
@@ -132,8 +168,6 @@ def add_arguments(p) -> None:
 
 def main(args) -> int:
     import json
-
-    from fastxfer.errors import TopologyError
 
     try:
         result = plan(args.workers, args.root, args.prefer)

@@ -282,9 +282,9 @@ def test_best_level_is_chosen_by_default():
     assert levels[0] == "scalar"
     assert fx.simd_level() == levels[-1]
     feats = _core.cpu_features()
-    if feats["avx512_bf16"] and feats["avx512bw"]:
+    if feats.avx512_bf16 and feats.avx512bw:
         assert fx.simd_level() == "avx512bf16"
-    elif feats["avx2"] and feats["f16c"]:
+    elif feats.avx2 and feats.f16c:
         assert fx.simd_level() in ("avx2", "avx512")
 
 

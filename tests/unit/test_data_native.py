@@ -3,7 +3,6 @@ Pillow's wheel) fused with the C++ resampler, checked against the simplejpeg + N
 across chroma subsampling, progressive files, threads and SIMD paths; the tiled format itself;
 and the errors when the decoder cannot run."""
 
-import io
 import warnings
 
 import numpy as np
@@ -11,36 +10,15 @@ import pytest
 
 simplejpeg = pytest.importorskip("simplejpeg")
 pytest.importorskip("numba")
-Image = pytest.importorskip("PIL.Image")
+pytest.importorskip("PIL.Image")  # libjpeg-turbo comes from Pillow's wheel
 
 from fastxfer import _core  # noqa: E402
 from fastxfer.data import Loader, PackedDataset, pack  # noqa: E402
-from fastxfer.data import kernels as K  # noqa: E402
-from fastxfer.data.loader import libjpeg_path, native_decoder_status  # noqa: E402
+from fastxfer.data.decoders import numba_ref as K  # noqa: E402
+from fastxfer.data.decoders.native import libjpeg_path, native_decoder_status  # noqa: E402
 
 native_ok, native_why = native_decoder_status()
 needs_native = pytest.mark.skipif(not native_ok, reason=f"native decoder unavailable: {native_why}")
-
-
-def photo(h, w, seed):
-    """A smooth colour image with texture (compresses like a photo, unlike pure noise)."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
-    img = np.stack([128 + 100 * np.sin(x / (7 + seed) + y / 23), 128 + 90 * np.cos(y / (5 + seed)),
-                    (x * 3 + y * 2 + seed * 40) % 256], -1)
-    img += rng.normal(0, 12, img.shape)
-    return np.clip(img, 0, 255).astype(np.uint8)
-
-
-def encode(img, kind):
-    """JPEG bytes: '444' / '420' / '422' (PIL), 'progressive' (4:2:0), 'gray'."""
-    buf = io.BytesIO()
-    if kind == "gray":
-        Image.fromarray(img[..., 0]).save(buf, "JPEG", quality=90)
-    else:
-        sub = {"444": 0, "422": 1, "420": 2, "progressive": 2}[kind]
-        Image.fromarray(img).save(buf, "JPEG", quality=90, subsampling=sub, progressive=kind == "progressive")
-    return buf.getvalue()
 
 
 KINDS = ["444", "420", "422", "progressive", "gray"]
@@ -48,13 +26,13 @@ SIZES = [(375, 500), (240, 180), (97, 131), (600, 800), (33, 47)]
 
 
 @pytest.fixture(scope="module")
-def packs(tmp_path_factory):
+def packs(tmp_path_factory, make_jpeg):
     tmp = tmp_path_factory.mktemp("native")
     items = []
     for i in range(30):
         h, w = SIZES[i % len(SIZES)]
         p = tmp / f"{i}.jpg"
-        p.write_bytes(encode(photo(h, w, i % 7), KINDS[i % len(KINDS)]))
+        p.write_bytes(make_jpeg(h, w, seed=i % 7, content="photo", kind=KINDS[i % len(KINDS)]))
         items.append((str(p), i % 5))
     tiled, plain = tmp / "tiled.fxpack", tmp / "plain.fxpack"
     s = pack(items, str(tiled), progress=False, tiles=True) if native_ok else None
@@ -80,9 +58,9 @@ def test_pack_tiles_every_kind_losslessly(packs):
             layout = _core.jpeg_tile_layout(a)
             assert layout is not None and _core.jpeg_tile_layout(b) is None
             kind = KINDS[i % len(KINDS)]
-            assert (layout["mcu_h"], layout["mcu_w"]) == {"444": (8, 8), "420": (16, 16), "422": (8, 16),
+            assert (layout.mcu_h, layout.mcu_w) == {"444": (8, 8), "420": (16, 16), "422": (8, 16),
                                                           "progressive": (16, 16), "gray": (8, 8)}[kind]
-            assert layout["subsampled"] == (kind in ("420", "422", "progressive"))
+            assert layout.subsampled == (kind in ("420", "422", "progressive"))
             cs = "GRAY" if kind == "gray" else "RGB"
             np.testing.assert_array_equal(simplejpeg.decode_jpeg(a, colorspace=cs),
                                           simplejpeg.decode_jpeg(b, colorspace=cs))
@@ -109,7 +87,7 @@ def test_tiles_roi_and_threads_give_identical_bits(packs):
     base = batches(tiled, decoder="native", threads=1, **kw)
     for path, threads, tiles in ((tiled, 2, True), (tiled, 1, False), (plain, 2, True)):
         ld = Loader(str(path), 10, rank=0, size=1, decoder="native", threads=threads, **kw)
-        ld._native.set_tiles(tiles)
+        ld.native_decoder.set_tiles(tiles)
         for b, (x, y) in enumerate(base):
             bx, by = ld.batch(b)
             np.testing.assert_array_equal(bx, x)
@@ -129,11 +107,10 @@ def test_native_bf16_is_the_rounded_float32_batch(packs):
         np.testing.assert_array_equal(h.view(np.uint16), compress(x, "bf16").view(np.uint16))
 
 
-def test_tile_layout_refuses_everything_else():
-    img = photo(64, 80, 1)
-    plain = encode(img, "420")
+def test_tile_layout_refuses_everything_else(make_jpeg):
+    plain = make_jpeg(64, 80, seed=1, content="photo", kind="420")
     assert _core.jpeg_tile_layout(plain) is None
-    assert _core.jpeg_tile_layout(encode(img, "progressive")) is None
+    assert _core.jpeg_tile_layout(make_jpeg(64, 80, seed=1, content="photo", kind="progressive")) is None
     assert _core.jpeg_tile_layout(b"") is None and _core.jpeg_tile_layout(b"\xff\xd8") is None
     assert _core.jpeg_tile_layout(np.random.default_rng(0).bytes(5000)) is None
     with pytest.raises(ValueError, match="not a tiled JPEG"):
@@ -141,14 +118,13 @@ def test_tile_layout_refuses_everything_else():
 
 
 @needs_native
-def test_tile_crop_is_a_valid_jpeg_with_the_same_interior():
+def test_tile_crop_is_a_valid_jpeg_with_the_same_interior(make_jpeg):
     dec = _core.JpegBatchDecoder(libjpeg_path(), 1)
-    img = photo(200, 260, 3)
     for kind in ("444", "420"):
-        data = encode(img, kind)
+        data = make_jpeg(200, 260, seed=3, content="photo", kind=kind)
         t = dec.transcode(data)
         layout = _core.jpeg_tile_layout(t)
-        m = layout["mcu_h"]
+        m = layout.mcu_h
         full = simplejpeg.decode_jpeg(data)
         crop = simplejpeg.decode_jpeg(_core.jpeg_tile_crop(t, 2, 5, 3, 9))
         assert crop.shape == (3 * m, 6 * m, 3)
@@ -157,10 +133,10 @@ def test_tile_crop_is_a_valid_jpeg_with_the_same_interior():
         np.testing.assert_array_equal(crop[edge:3 * m - edge, edge:6 * m - edge],
                                       full[2 * m + edge:5 * m - edge, 3 * m + edge:9 * m - edge])
         # the last row and column (partial MCUs) come out with the image's own size
-        last = simplejpeg.decode_jpeg(_core.jpeg_tile_crop(t, layout["rows"] - 1, layout["rows"], 0, layout["cols"]))
-        assert last.shape == (200 - (layout["rows"] - 1) * m, 260, 3)
+        last = simplejpeg.decode_jpeg(_core.jpeg_tile_crop(t, layout.rows - 1, layout.rows, 0, layout.cols))
+        assert last.shape == (200 - (layout.rows - 1) * m, 260, 3)
         with pytest.raises(ValueError, match="outside the"):
-            _core.jpeg_tile_crop(t, 0, layout["rows"] + 1, 0, 1)
+            _core.jpeg_tile_crop(t, 0, layout.rows + 1, 0, 1)
     # mutated tiled files: parsing never reads out of bounds or crashes
     rng = np.random.default_rng(5)
     for _ in range(300):
@@ -170,15 +146,15 @@ def test_tile_crop_is_a_valid_jpeg_with_the_same_interior():
         if rng.random() < 0.3:
             b = b[: int(rng.integers(0, len(b)))]
         layout = _core.jpeg_tile_layout(bytes(b))
-        assert layout is None or layout["rows"] * layout["cols"] > 0
+        assert layout is None or layout.rows * layout.cols > 0
 
 
 @needs_native
-def test_transcode_errors_and_damaged_files_kept_as_they_are(tmp_path):
+def test_transcode_errors_and_damaged_files_kept_as_they_are(tmp_path, make_jpeg):
     dec = _core.JpegBatchDecoder(libjpeg_path(), 1)
     with pytest.raises(RuntimeError, match="Not a JPEG file"):
         dec.transcode(b"GIF89a....")
-    good = encode(photo(120, 160, 2), "420")
+    good = make_jpeg(120, 160, seed=2, content="photo", kind="420")
     cut = tmp_path / "cut.jpg"
     cut.write_bytes(good[: len(good) // 2])
     ok = tmp_path / "ok.jpg"
@@ -279,7 +255,7 @@ def test_images_over_the_pixel_limit_are_skipped_with_the_reason(packs):
 
 @needs_native
 @pytest.mark.parametrize("tiled", [False, True])
-def test_native_crops_are_exactly_the_full_decode(tiled):
+def test_native_crops_are_exactly_the_full_decode(tiled, make_jpeg):
     """A crop resized to its own size is the identity filter: the decoded region must equal the
     same region of a whole-image decode, bit for bit, at every position (chroma upsampling at the
     crop's edges included), for every kind of JPEG, by region of interest and by tiles."""
@@ -288,7 +264,7 @@ def test_native_crops_are_exactly_the_full_decode(tiled):
     rng = np.random.default_rng(0)
     for kind in KINDS:
         for H, W in ((97, 131), (96, 128), (160, 200)):
-            data = encode(photo(H, W, 2), kind)
+            data = make_jpeg(H, W, seed=2, content="photo", kind=kind)
             full = simplejpeg.decode_jpeg(data)
             if tiled:
                 data = dec.transcode(data)
@@ -305,7 +281,7 @@ def test_native_crops_are_exactly_the_full_decode(tiled):
 
 
 @needs_native
-def test_tiles_match_roi_when_dct_scaling_meets_sizes_not_divisible_by_the_scale():
+def test_tiles_match_roi_when_dct_scaling_meets_sizes_not_divisible_by_the_scale(make_jpeg):
     """Grey and 4:4:4 records (no MCU margin) whose height/width are not multiples of the DCT
     scale: the tile cut must still cover the scaled box (it once came out a row short)."""
     dec = _core.JpegBatchDecoder(libjpeg_path(), 1)
@@ -314,7 +290,7 @@ def test_tiles_match_roi_when_dct_scaling_meets_sizes_not_divisible_by_the_scale
     mean, std = np.zeros(3, np.float32), np.full(3, 1 / 255, np.float32)
     rng = np.random.default_rng(3)
     for kind, (H, W) in (("gray", (2001, 2048)), ("444", (1001, 1203)), ("420", (999, 1201))):
-        data = dec.transcode(encode(photo(H, W, 1), kind))
+        data = dec.transcode(make_jpeg(H, W, seed=1, content="photo", kind=kind))
         hh, ww = min(1800, H), min(1800, W)
         boxes = [(0, 0, hh, ww), (H - hh, W - ww, hh, ww)]
         for _ in range(8):
@@ -333,7 +309,7 @@ def test_tiles_match_roi_when_dct_scaling_meets_sizes_not_divisible_by_the_scale
                 np.testing.assert_array_equal(outs[0], outs[1], err_msg=f"{kind} {box} {out_hw}")
 
 
-def test_bad_buffers_and_boxes_are_refused():
+def test_bad_buffers_and_boxes_are_refused(make_jpeg):
     mean, std = K.IMAGENET_MEAN, K.IMAGENET_STD
     img = np.zeros((50, 60, 3), np.uint8)
     out = np.zeros((8, 8, 3), np.float32)
@@ -341,7 +317,7 @@ def test_bad_buffers_and_boxes_are_refused():
         _core.resize_normalize(img, 2**31 - 1, 0, 1, 1, out, False, 1, 1, 1, mean, std)
     with pytest.raises(ValueError, match="is not inside the 50x60 image"):
         _core.resize_normalize(img, 0, 2**31 - 5, 1, 10, out, False, 1, 1, 1, mean, std)
-    data = encode(photo(32, 32, 0), "444")
+    data = make_jpeg(32, 32, seed=0, content="photo")
     with pytest.raises(ValueError, match="data is not contiguous"):
         _core.jpeg_tile_layout(memoryview(data)[::2])
     with pytest.raises(TypeError, match="data is a str, not bytes-like"):
@@ -354,9 +330,8 @@ def test_bad_buffers_and_boxes_are_refused():
 
 
 @needs_native
-def test_large_transcode_grows_its_buffer_and_keeps_pixels():
-    noisy = np.random.default_rng(4).integers(0, 256, (700, 900, 3), dtype=np.uint8)
-    data = simplejpeg.encode_jpeg(noisy, quality=97)
+def test_large_transcode_grows_its_buffer_and_keeps_pixels(make_jpeg):
+    data = make_jpeg(700, 900, seed=4, quality=97)
     assert len(data) > 1 << 20
     dec = _core.JpegBatchDecoder(libjpeg_path(), 1)
     t = dec.transcode(data)
@@ -366,21 +341,15 @@ def test_large_transcode_grows_its_buffer_and_keeps_pixels():
 
 
 @needs_native
-def test_cached_records_are_checksummed_too(tmp_path):
+def test_cached_records_are_checksummed_too(tmp_path, make_jpeg, corrupt_record):
     items = []
     for i in range(6):
         p = tmp_path / f"{i}.jpg"
-        p.write_bytes(encode(photo(40, 50, i), "420"))
+        p.write_bytes(make_jpeg(40, 50, seed=i, content="photo", kind="420"))
         items.append((str(p), i % 2))
     out = tmp_path / "c.fxpack"
     pack(items, str(out), progress=False)
-    with PackedDataset(str(out), verify=False) as ds:
-        off = int(ds.index[4]["offset"]) + 30
-    with open(out, "r+b") as f:
-        f.seek(off)
-        b = f.read(1)
-        f.seek(off)
-        f.write(bytes([b[0] ^ 0x55]))
+    corrupt_record(out, 4, at=30)
     ld = Loader(str(out), 6, rank=0, size=1, train=False, cache=True, image_size=16)
     with pytest.warns(RuntimeWarning, match=r"skipped 1 unreadable record.*record 4.*checksum mismatch"):
         ld.batch(0)
@@ -391,6 +360,8 @@ def test_cached_records_are_checksummed_too(tmp_path):
 @pytest.mark.parametrize("decoder", ["native", "numba"])
 def test_a_loader_keeps_working_in_a_forked_child(packs, decoder):
     import os
+    import signal
+    import time
 
     if decoder == "native" and not native_ok:
         pytest.skip(native_why)
@@ -411,7 +382,13 @@ def test_a_loader_keeps_working_in_a_forked_child(packs, decoder):
             os.write(w, bytes([code]))
             os._exit(0)
     os.close(w)
-    os.waitpid(pid, 0)
+    deadline = time.monotonic() + 180  # the child stops itself after 120 s; this bounds the rest
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung")
+        time.sleep(0.05)
     status = os.read(r, 1)
     os.close(r)
     assert status == b"\x00"  # empty: the child died before it could answer

@@ -16,24 +16,15 @@ from _launch import fastxfer_cmd  # noqa: E402
 from fastxfer.data import CorruptRecordError, PackedDataset, PackedFormatError, pack, scan_image_folder  # noqa: E402
 
 
-def jpeg(h, w, seed, gray=False):
-    rng = np.random.default_rng(seed)
-    if gray:
-        img = rng.integers(0, 255, (h, w, 1), dtype=np.uint8)
-        return simplejpeg.encode_jpeg(img, quality=90, colorspace="GRAY")
-    img = rng.integers(0, 255, (h, w, 3), dtype=np.uint8)
-    return simplejpeg.encode_jpeg(img, quality=90)
-
-
 @pytest.fixture
-def folder(tmp_path):
+def folder(tmp_path, make_jpeg):
     src = tmp_path / "src"
     sizes = {"cat": [(32, 48), (50, 20), (64, 64)], "dog": [(17, 33), (40, 40)], "emu": [(8, 8)]}
     files = []
     for c, dims in sizes.items():
         (src / c).mkdir(parents=True)
         for i, (h, w) in enumerate(dims):
-            data = jpeg(h, w, seed=len(files), gray=(c == "emu"))
+            data = make_jpeg(h, w, seed=len(files), kind="gray" if c == "emu" else "444")
             (src / c / f"{i}.jpg").write_bytes(data)
             files.append((c, h, w, data))
     (src / "dog" / "notes.txt").write_text("not an image")
@@ -63,8 +54,8 @@ def test_pack_and_read_back(folder, tmp_path):
             # a lossless transcode: other bytes (restart marker per MCU), the very same pixels
             layout = _core.jpeg_tile_layout(rec)
             assert rec != data and _core.jpeg_tile_layout(data) is None
-            assert layout["height"] == h and layout["width"] == w
-            assert layout["rows"] * layout["mcu_h"] >= h and (layout["rows"] - 1) * layout["mcu_h"] < h
+            assert layout.height == h and layout.width == w
+            assert layout.rows * layout.mcu_h >= h and (layout.rows - 1) * layout.mcu_h < h
             colorspace = "GRAY" if c == "emu" else "RGB"
             np.testing.assert_array_equal(simplejpeg.decode_jpeg(rec, colorspace=colorspace),
                                           simplejpeg.decode_jpeg(data, colorspace=colorspace))
@@ -95,18 +86,12 @@ def test_list_file_with_names_and_numbers(folder, tmp_path):
     assert r.returncode == 1 and "list.txt:1: expected 'path label'" in r.stderr
 
 
-def test_corrupted_record_is_named(folder, tmp_path):
+def test_corrupted_record_is_named(folder, tmp_path, corrupt_record):
     src, _ = folder
     out = tmp_path / "c.fxpack"
     items, classes = scan_image_folder(str(src))
     pack(items, str(out), classes, progress=False)
-    with PackedDataset(str(out), verify=False) as ds:
-        off = int(ds.index[3]["offset"]) + 50
-    with open(out, "r+b") as f:
-        f.seek(off)
-        b = f.read(1)
-        f.seek(off)
-        f.write(bytes([b[0] ^ 0xFF]))
+    corrupt_record(out, 3)
     with PackedDataset(str(out)) as ds:
         assert bytes(ds.record(2))  # others still read
         with pytest.raises(CorruptRecordError, match=r"record 3 \(label 1, \d+ bytes at offset \d+\) is corrupted"):
@@ -147,10 +132,10 @@ def test_failed_pack_leaves_nothing_that_looks_valid(folder, tmp_path, monkeypat
     items, classes = scan_image_folder(str(src))
     pack(items, str(out), classes, progress=False)
     before = out.read_bytes()
-    import fastxfer.data.packed as packed
+    import fastxfer.data.writer as writer
 
     calls = {"n": 0}
-    real = packed._jpeg_header
+    real = writer._jpeg_header
 
     def failing(data):
         calls["n"] += 1
@@ -158,7 +143,7 @@ def test_failed_pack_leaves_nothing_that_looks_valid(folder, tmp_path, monkeypat
             raise KeyboardInterrupt
         return real(data)
 
-    monkeypatch.setattr(packed, "_jpeg_header", failing)
+    monkeypatch.setattr(writer, "_jpeg_header", failing)
     with pytest.raises(KeyboardInterrupt):
         pack(items, str(out), classes, progress=False)
     assert out.read_bytes() == before  # the old pack is untouched

@@ -22,15 +22,18 @@ import os
 import secrets
 import socket
 import threading
+from collections.abc import Callable
 
-from fastxfer import _core
+from fastxfer import _core, topology
+from fastxfer import _validate as check
+from fastxfer.comm.mpi import MPIInterHost
 from fastxfer.errors import FastxferError
-
-ENV_PREFIX = "FASTXFER_"
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
+    """Where this process sits in the job, as the launcher (or the MPI rendezvous) describes it."""
+
     rank: int
     size: int
     local_rank: int
@@ -38,7 +41,7 @@ class Layout:
     segment: str  # shared-memory segment name of this host's ranks
     source: str   # which launcher the layout came from
     hosts: int = 1
-    inter_host: object = None  # MPIInterHost when the job spans several hosts
+    inter_host: MPIInterHost | None = None  # the link between hosts when the job spans several
 
 
 def host_identity() -> str:
@@ -80,27 +83,6 @@ def _float_env(name: str, default: float) -> float:
     return f
 
 
-def parse_cpu_list(text: str) -> list[int]:
-    """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11] (the sysfs cpulist form)."""
-    cpus: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        try:
-            if "-" in part:
-                a, b = part.split("-", 1)
-                lo, hi = int(a), int(b)
-                if hi < lo:
-                    raise ValueError
-                cpus.extend(range(lo, hi + 1))
-            else:
-                cpus.append(int(part))
-        except ValueError:
-            raise FastxferError(f"bad CPU list {text!r}: expected items like 3 or 0-7, joined with ','") from None
-    return sorted(set(cpus))
-
-
 def _mpi_rendezvous(rank: int, size: int, source: str) -> Layout:
     try:
         from mpi4py import MPI
@@ -128,14 +110,13 @@ def _mpi_rendezvous(rank: int, size: int, source: str) -> Layout:
     creator_pid = ids[mine[0]][1]
     inter = None
     if len(order) > 1:
-        from fastxfer.mpi_transport import MPIInterHost
-
         inter = MPIInterHost(comm, mine.index(rank), host_index)
     return Layout(rank, size, mine.index(rank), len(mine), f"/fastxfer-{creator_pid}-{token}-h{host_index}", source,
                   len(order), inter)
 
 
 def detect_layout() -> Layout:
+    """The layout from the launcher's environment (see the table above); FastxferError when it is inconsistent."""
     env = os.environ
     if "FASTXFER_RANK" in env or "FASTXFER_SIZE" in env:
         rank, size = _int_env(["FASTXFER_RANK"]), _int_env(["FASTXFER_SIZE"])
@@ -164,6 +145,18 @@ def detect_layout() -> Layout:
 _lock = threading.RLock()
 _engine: _core.Engine | None = None
 _layout: Layout | None = None
+_shutdown_hooks: list[Callable[[], None]] = []
+
+
+def on_shutdown(callback: Callable[[], None]) -> Callable[[], None]:
+    """Have ``callback()`` called at the end of every shutdown(), after the engine has stopped.
+
+    Modules built on the group register here to drop their per-job state (automatic request
+    names, buffers the engine may still have held), so that the next init() starts afresh; the
+    group itself knows nothing of them. Returns ``callback`` (usable as a decorator)."""
+    with _lock:
+        _shutdown_hooks.append(callback)
+    return callback
 
 
 def init(*, timeout: float | None = None, engine_cpus: list[int] | str | None = None,
@@ -173,6 +166,7 @@ def init(*, timeout: float | None = None, engine_cpus: list[int] | str | None = 
     ``timeout`` (s, default FASTXFER_TIMEOUT or 300): how long a peer may stay silent before the
     others raise PeerFailureError (a peer that dies is noticed within a fraction of a second).
     ``engine_cpus``: pin the engine thread (default FASTXFER_ENGINE_CPUS, else unpinned).
+    ``bucket_cap_mb``: the fusion bucket cap (default FASTXFER_BUCKET_CAP_MB, else 25).
     """
     global _engine, _layout
     with _lock:
@@ -181,7 +175,8 @@ def init(*, timeout: float | None = None, engine_cpus: list[int] | str | None = 
         layout = detect_layout()
         window = int(_float_env("FASTXFER_SHM_WINDOW_MB", 16) * (1 << 20))
         oob = int(_float_env("FASTXFER_OOB_KB", 1024) * 1024)
-        cap = int((bucket_cap_mb if bucket_cap_mb is not None else _float_env("FASTXFER_BUCKET_CAP_MB", 25)) * (1 << 20))
+        cap = (check.bucket_cap_bytes(bucket_cap_mb) if bucket_cap_mb is not None
+               else int(_float_env("FASTXFER_BUCKET_CAP_MB", 25) * (1 << 20)))
         if timeout is None:
             timeout = _float_env("FASTXFER_TIMEOUT", 300)
         if timeout <= 0:
@@ -189,14 +184,13 @@ def init(*, timeout: float | None = None, engine_cpus: list[int] | str | None = 
         threads = int(_float_env("FASTXFER_ENGINE_THREADS", 1))
         if engine_cpus is None:
             engine_cpus = os.environ.get("FASTXFER_ENGINE_CPUS", "")
-        cpus = parse_cpu_list(engine_cpus) if isinstance(engine_cpus, str) else sorted(set(int(c) for c in engine_cpus))
+        cpus = (topology.parse_cpu_list(engine_cpus) if isinstance(engine_cpus, str)
+                else sorted(set(int(c) for c in engine_cpus)))
         allowed = os.sched_getaffinity(0)
         if any(c not in allowed for c in cpus):
             raise ValueError(f"engine_cpus {cpus} are not all in this process's CPU set {sorted(allowed)}")
         stream_min = int(float(os.environ.get("FASTXFER_STREAM_MIN_MB", "4")) * (1 << 20))
-        from fastxfer.topology import apply_thread_settings
-
-        apply_thread_settings()  # TensorFlow's thread counts from `fastxfer run --bind`, if loaded
+        topology.apply_thread_settings()  # TensorFlow's thread counts from `fastxfer run --bind`, if loaded
         _engine = _core.Engine(layout.segment, layout.local_rank, layout.local_size, window, oob, float(timeout),
                                _float_env("FASTXFER_ATTACH_TIMEOUT", 120), threads, cpus, cap, 1024,
                                max(0, stream_min), layout.inter_host)
@@ -215,9 +209,8 @@ def shutdown() -> None:
         finally:
             _engine = None
             _layout = None
-            from fastxfer import collectives
-
-            collectives._forget()
+            for callback in list(_shutdown_hooks):
+                callback()
 
 
 def _atexit_shutdown() -> None:
@@ -232,46 +225,58 @@ atexit.register(_atexit_shutdown)
 
 
 def is_initialized() -> bool:
+    """Whether init() has run (and shutdown() has not since)."""
     return _engine is not None
 
 
-def _require() -> tuple[_core.Engine, Layout]:
+def _current() -> tuple[_core.Engine, Layout]:
     eng, layout = _engine, _layout
     if eng is None or layout is None:
         raise FastxferError("fastxfer is not initialised: call fastxfer.init() first")
     return eng, layout
 
 
+def engine() -> _core.Engine:
+    """The running engine (what the collectives submit to); FastxferError before init()."""
+    return _current()[0]
+
+
 def rank() -> int:
     """This process's rank in the job (0 .. size()-1)."""
-    return _require()[1].rank
+    return _current()[1].rank
 
 
 def size() -> int:
     """Number of processes in the job."""
-    return _require()[1].size
+    return _current()[1].size
 
 
 def local_rank() -> int:
     """Rank among the processes on this host."""
-    return _require()[1].local_rank
+    return _current()[1].local_rank
 
 
 def local_size() -> int:
     """Number of processes on this host."""
-    return _require()[1].local_size
+    return _current()[1].local_size
+
+
+# what engine_stats() reports, in the native CommStats' names
+STATS_KEYS = ("pack_s", "wait_s", "reduce_s", "unpack_s", "negotiate_s", "chunks", "rounds", "wire_bytes")
 
 
 def engine_stats() -> dict:
     """Cumulative seconds the engine spent packing, waiting for peers, reducing, unpacking and
     negotiating, with chunk/round counts: where the communication time goes."""
-    return dict(_require()[0].stats())
+    s = _current()[0].stats()
+    return {k: getattr(s, k) for k in STATS_KEYS}
 
 
 def hosts() -> int:
     """Number of hosts the job spans."""
-    return _require()[1].hosts
+    return _current()[1].hosts
 
 
 def layout() -> Layout:
-    return _require()[1]
+    """Where this process sits in the job: ranks, hosts, the shared-memory segment, the launcher."""
+    return _current()[1]
