@@ -23,22 +23,6 @@ Compression wire16(const std::string& name) {
   return c;
 }
 
-// The bytes of a buffer-protocol object (bytes, bytearray, memoryview, numpy array), which must
-// be C-contiguous: a strided view would be read as if it were not.
-py::buffer_info contiguous_bytes(const py::handle& obj, const std::string& what) {
-  if (!PyObject_CheckBuffer(obj.ptr()))
-    throw py::type_error(what + " is a " + std::string(py::str(py::type::of(obj).attr("__name__"))) +
-                         ", not bytes-like");
-  py::buffer_info v = py::reinterpret_borrow<py::buffer>(obj).request();
-  ssize_t stride = v.itemsize;
-  for (ssize_t d = v.ndim - 1; d >= 0; --d) {
-    if (v.shape[d] > 1 && v.strides[d] != stride)
-      throw py::value_error(what + " is not contiguous (pass bytes(...) or a contiguous copy)");
-    stride *= v.shape[d];
-  }
-  return v;
-}
-
 }  // namespace
 
 void bind_kernels(py::module_& m) {

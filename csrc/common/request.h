@@ -37,6 +37,9 @@ struct Record {
   int64_t bucket_cap;  // allreduce: fusion bucket cap in bytes (0: the engine's default)
 };
 
+// 192 bytes: docs/algorithms.md counts negotiation traffic in these; the segment stores them as is.
+static_assert(sizeof(Record) == 192, "Record is exchanged as raw bytes: keep its size and layout fixed");
+
 Record make_record(CollectiveKind kind, const std::string& name, DType dtype, const std::vector<int64_t>& shape,
                    ReduceOp op, Compression compression, int root, double prescale, double postscale);
 
