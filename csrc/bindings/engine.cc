@@ -23,7 +23,7 @@ CollectiveKind kind_from_name(const std::string& k) {
   throw py::value_error("unknown collective '" + k + "'");
 }
 
-// InterHost implemented by a Python object (fastxfer.mpi_transport.MPIInterHost, on mpi4py).
+// InterHost implemented by a Python object (fastxfer.comm.mpi.MPIInterHost, on mpi4py).
 // Called from the engine thread: takes the GIL for each call; buffers are passed as numpy views
 // (no copy) of raw bytes, with the element dtype named separately.
 class PyInterHost : public InterHost {

@@ -1,4 +1,4 @@
-"""fastxfer: fast data-parallel training for TensorFlow / Keras 3 on CPU clusters and GPU nodes.
+"""fastxfer: fast data-parallel training for TensorFlow / Keras 3 on CPU clusters.
 
 The framework-free API works on numpy arrays::
 
@@ -11,11 +11,11 @@ background engine that reduces over shared memory.
 """
 
 from fastxfer import _core
-from fastxfer.collectives import (Handle, allgather, allreduce, allreduce_async, barrier, broadcast,
-                                  broadcast_object, oob_allreduce)
+from fastxfer.comm import (Handle, allgather, allreduce, allreduce_async, barrier, broadcast, broadcast_object,
+                           engine_stats, init, is_initialized, local_rank, local_size, oob_allreduce, rank, shutdown,
+                           size)
 from fastxfer.compression import compress, decompress
 from fastxfer.errors import FastxferError, MismatchError, PeerFailureError
-from fastxfer.process_group import engine_stats, init, is_initialized, local_rank, local_size, rank, shutdown, size
 
 __version__ = _core.__version__
 

@@ -81,6 +81,17 @@ def out_array(out, shape: tuple, want: np.dtype, what: str = "out") -> np.ndarra
     return out
 
 
+def out_like(out, a: np.ndarray, what: str = "out") -> np.ndarray:
+    """An output buffer for a collective on ``a``: a C-contiguous, writable ndarray of a's dtype and shape."""
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"{what} must be a numpy.ndarray, not {type(out).__name__}")
+    if out.dtype != a.dtype or out.shape != a.shape:
+        raise ValueError(f"{what} must be {a.dtype.name}{list(a.shape)}, not {out.dtype.name}{list(out.shape)}")
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(f"{what} must be C-contiguous and writable")
+    return out
+
+
 def op(value) -> str:
     """A reduction op name, lower-cased: sum, average, min or max."""
     if not isinstance(value, str) or value.lower() not in OPS:

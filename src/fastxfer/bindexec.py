@@ -10,6 +10,7 @@ import sys
 
 from fastxfer import _core
 from fastxfer.errors import TopologyError
+from fastxfer.topology import parse_cpu_list
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,9 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     if not cmd:
         ap.error("no command")
     try:
-        _core.bind_cpus(_core.parse_cpu_list(a.cpus))
+        _core.bind_cpus(parse_cpu_list(a.cpus))
         if a.mems:
-            _core.bind_memory(_core.parse_cpu_list(a.mems))
+            _core.bind_memory(parse_cpu_list(a.mems))  # node lists share the grammar
     except TopologyError as e:
         print(f"fastxfer bind: {e}", file=sys.stderr)
         return 1

@@ -15,38 +15,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import ml_dtypes
 import numpy as np
 
 from fastxfer import _core
-from fastxfer.compression import _threads
+from fastxfer import _validate as check
+from fastxfer._validate import numpy_dtype  # public here too: the dtype of a bucket's dtype names
 
 Bucket = _core.Bucket
 
 DEFAULT_CAP_BYTES = 25 << 20
 DEFAULT_FIRST_CAP_BYTES = 1 << 20
 
-_NUMPY_DTYPES = {
-    "float32": np.dtype(np.float32),
-    "float64": np.dtype(np.float64),
-    "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "int32": np.dtype(np.int32),
-    "int64": np.dtype(np.int64),
-}
-
-
-def numpy_dtype(name: str) -> np.dtype:
-    """The numpy dtype for one of fastxfer's dtype names."""
-    try:
-        return _NUMPY_DTYPES[name]
-    except KeyError:
-        raise TypeError(f"unsupported dtype {name!r}: expected one of {', '.join(_NUMPY_DTYPES)}") from None
-
 
 def _spec(t, i: int) -> tuple[int, str]:
     if isinstance(t, np.ndarray):
-        return int(t.size), numpy_dtype(t.dtype.name).name
+        return int(t.size), numpy_dtype(t.dtype).name
     try:
         shape, dtype = t
     except (TypeError, ValueError):
@@ -54,7 +37,7 @@ def _spec(t, i: int) -> tuple[int, str]:
     numel = int(np.prod(shape, dtype=np.int64)) if not isinstance(shape, (int, np.integer)) else int(shape)
     if numel < 0:
         raise ValueError(f"tensor {i}: negative size {shape!r}")
-    return numel, numpy_dtype(np.dtype(dtype).name).name
+    return numel, numpy_dtype(dtype).name
 
 
 class BucketPlanner:
@@ -97,7 +80,7 @@ def pack(bucket: Bucket, tensors: Sequence[np.ndarray], out: np.ndarray | None =
     multiplying float tensors by ``scale`` and compressing float32 on the way. Returns the buffer."""
     if out is None:
         out = np.empty(bucket.numel, numpy_dtype(bucket.wire_dtype))
-    _core.pack(bucket, tensors, out, float(scale), _threads(threads))
+    _core.pack(bucket, tensors, out, float(scale), check.threads(threads))
     return out
 
 
@@ -108,7 +91,7 @@ def unpack(bucket: Bucket, buffer: np.ndarray, outs: Sequence[np.ndarray] | None
     if outs is None:
         dt = numpy_dtype(bucket.dtype)
         outs = [np.empty(n, dt) for n in bucket.numels]
-    _core.unpack(bucket, buffer, outs, float(scale), _threads(threads))
+    _core.unpack(bucket, buffer, outs, float(scale), check.threads(threads))
     return list(outs)
 
 

@@ -5,23 +5,22 @@ given) and shapes are checked, and a disagreement raises MismatchError on every 
 from __future__ import annotations
 
 import itertools
+import pickle
 import threading
 
-import ml_dtypes
 import numpy as np
 
-from fastxfer import process_group
-
-_DTYPES = {np.dtype(t) for t in (np.float32, np.float64, np.float16, ml_dtypes.bfloat16, np.int32, np.int64)}
-_OPS = ("sum", "average", "min", "max")
-_COMPRESSIONS = {"none": "none", "bf16": "bf16", "fp16": "fp16", None: "none"}
+from fastxfer import _validate as check
+from fastxfer.comm import group
 
 _lock = threading.Lock()
 _counters: dict[str, itertools.count] = {}
 _keepalive: dict[int, tuple] = {}  # buffers the engine may still read or write, by request id
 
 
+@group.on_shutdown
 def _forget() -> None:
+    # per-job state: the next init() numbers automatic names from 0 again, as every rank does
     with _lock:
         _counters.clear()
         _keepalive.clear()
@@ -31,26 +30,6 @@ def _auto_name(kind: str) -> str:
     with _lock:
         c = _counters.setdefault(kind, itertools.count())
         return f"{kind}.{next(c)}"
-
-
-def _array(x, what: str = "array") -> np.ndarray:
-    if isinstance(x, np.ndarray):
-        a = x
-    else:
-        try:
-            a = np.asarray(x)
-        except Exception as e:  # noqa: BLE001 - report what numpy said
-            raise TypeError(f"{what} must be a numpy array or array-like: {e}") from None
-    if a.dtype not in _DTYPES:
-        raise TypeError(f"{what} has dtype {a.dtype.name}; fastxfer reduces float32, float64, float16, bfloat16, "
-                        "int32 and int64")
-    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
-
-
-def _op(op: str) -> str:
-    if not isinstance(op, str) or op.lower() not in _OPS:
-        raise ValueError(f"op must be one of {', '.join(_OPS)}, not {op!r}")
-    return op.lower()
 
 
 def _sweep(eng) -> None:
@@ -68,9 +47,11 @@ class Handle:
         self._result = None
 
     def done(self) -> bool:
+        """Whether the collective has finished (wait() would not block)."""
         return self._result is not None or self._eng.done(self._id)
 
     def wait(self) -> np.ndarray | None:
+        """Block until done and return the result array; raises the collective's error."""
         if self._result is not None:
             return self._result
         try:
@@ -88,7 +69,7 @@ class Handle:
 
 def _submit(kind: str, name, arr, out, op="sum", compression="none", root=0, prescale=1.0, postscale=1.0,
             shape=None, dtype=None, bucket_cap=0) -> Handle:
-    eng, _ = process_group._require()
+    eng = group.engine()
     if name is None:
         name = _auto_name(kind)
     elif not isinstance(name, str):
@@ -98,16 +79,6 @@ def _submit(kind: str, name, arr, out, op="sum", compression="none", root=0, pre
         rid = eng.submit(kind, name, arr, out, op, compression, root, float(prescale), float(postscale), bucket_cap)
         _keepalive[rid] = (arr, out)
     return Handle(eng, rid, out, kind, shape, dtype)
-
-
-def _check_out(out, a: np.ndarray) -> np.ndarray:
-    if not isinstance(out, np.ndarray):
-        raise TypeError(f"out must be a numpy.ndarray, not {type(out).__name__}")
-    if out.dtype != a.dtype or out.shape != a.shape:
-        raise ValueError(f"out must be {a.dtype.name}{list(a.shape)}, not {out.dtype.name}{list(out.shape)}")
-    if not out.flags.c_contiguous or not out.flags.writeable:
-        raise ValueError("out must be C-contiguous and writable")
-    return out
 
 
 def allreduce_async(array, op: str = "average", compression: str = "none", name: str | None = None,
@@ -123,28 +94,20 @@ def allreduce_async(array, op: str = "average", compression: str = "none", name:
     cap for this request (consecutive requests fuse only when their caps agree; every rank must
     pass the same value); None uses ``init``'s.
     """
-    a = _array(array)
-    op = _op(op)
-    if compression not in _COMPRESSIONS:
-        raise ValueError(f"compression must be 'none', 'bf16' or 'fp16', not {compression!r}")
-    compression = _COMPRESSIONS[compression]
-    if compression != "none" and a.dtype != np.float32:
-        raise ValueError(f"compression={compression!r} applies to float32 arrays; this one is {a.dtype.name}")
+    a = check.array(array)
+    op = check.op(op)
+    compression = check.compression(compression, a.dtype)
     if a.dtype.kind == "i":
         if op == "average":
             raise TypeError(f"op='average' needs a floating dtype, not {a.dtype.name}: use op='sum' and divide")
         if prescale != 1.0 or postscale != 1.0:
             raise TypeError(f"{a.dtype.name} arrays cannot be scaled")
-    if a.dtype in (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)) and prescale != 1.0:
+    if a.dtype in (check.DTYPES["float16"], check.DTYPES["bfloat16"]) and prescale != 1.0:
         raise ValueError(f"prescale is not supported for {a.dtype.name} arrays (scale in float32 first)")
-    size = process_group.size()
+    size = group.size()
     post = postscale / size if op == "average" else postscale
-    out = np.empty_like(a) if out is None else _check_out(out, a)
-    cap = 0
-    if bucket_cap_mb is not None:
-        if not (isinstance(bucket_cap_mb, (int, float)) and 1.0 / 1024 <= bucket_cap_mb <= 4096):
-            raise ValueError(f"bucket_cap_mb must be a number between 1/1024 and 4096, not {bucket_cap_mb!r}")
-        cap = int(bucket_cap_mb * (1 << 20))
+    out = np.empty_like(a) if out is None else check.out_like(out, a)
+    cap = check.bucket_cap_bytes(bucket_cap_mb)
     return _submit("allreduce", name, a, out, op, compression, 0, prescale, post, bucket_cap=cap)
 
 
@@ -158,24 +121,24 @@ def allreduce(array, op: str = "average", compression: str = "none", name: str |
 def oob_allreduce(array, op: str = "average", name: str | None = None) -> np.ndarray:
     """Reduce a small array (metrics, flags) on a lane of its own: it never waits behind gradient
     buckets. Runs on the calling thread; the GIL is released while waiting."""
-    eng, _ = process_group._require()
-    a = _array(array)
-    op = _op(op)
+    eng = group.engine()
+    a = check.array(array)
+    op = check.op(op)
     if a.dtype.kind == "i" and op == "average":
         raise TypeError(f"op='average' needs a floating dtype, not {a.dtype.name}: use op='sum' and divide")
     if a.nbytes > eng.oob_capacity:
         raise ValueError(f"oob_allreduce is for small arrays (at most {eng.oob_capacity} bytes); this one has "
                          f"{a.nbytes}: use allreduce")
     out = np.empty_like(a)
-    post = 1.0 / process_group.size() if op == "average" else 1.0
+    post = 1.0 / group.size() if op == "average" else 1.0
     eng.oob_allreduce(a, out, name if name is not None else _auto_name("oob_allreduce"), op, post)
     return out
 
 
 def broadcast(array, root: int = 0, name: str | None = None) -> np.ndarray:
     """Every rank gets a copy of ``root``'s array (shapes and dtypes must match on all ranks)."""
-    a = _array(array)
-    size = process_group.size()
+    a = check.array(array)
+    size = group.size()
     if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < size:
         raise ValueError(f"root must be a rank in 0..{size - 1}, not {root!r}")
     out = np.empty_like(a)
@@ -185,7 +148,7 @@ def broadcast(array, root: int = 0, name: str | None = None) -> np.ndarray:
 def allgather(array, name: str | None = None) -> np.ndarray:
     """Concatenate every rank's array along axis 0, in rank order. First dimensions may differ;
     the other dimensions and the dtype must match."""
-    a = _array(array)
+    a = check.array(array)
     if a.ndim == 0:
         raise ValueError("allgather needs at least one dimension (concatenates along axis 0); use a[None]")
     if a.ndim > 8:
@@ -200,9 +163,7 @@ def barrier() -> None:
 
 def broadcast_object(obj, root: int = 0):
     """Broadcast a picklable Python object from ``root`` (small objects: options, epoch numbers)."""
-    import pickle
-
-    me = process_group.rank()
+    me = group.rank()
     if me == root:
         data = pickle.dumps(obj)
         words = np.frombuffer(data + b"\0" * (-len(data) % 8), np.int64)

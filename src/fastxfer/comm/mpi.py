@@ -10,17 +10,17 @@ the caller's thread concurrently with the engine (MPI_THREAD_MULTIPLE is require
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
 from fastxfer import _core
+from fastxfer import _validate as check
 from fastxfer.errors import FastxferError, MismatchError
-
-_NUMPY = {"float32": np.float32, "float64": np.float64, "int32": np.int32, "int64": np.int64,
-          "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
 
 class MPIInterHost:
+    """The InterHost the native hierarchical transport calls (csrc/transport/inter_host.h): dtype
+    and op arrive by name, buffers as uint8 views of the engine's memory."""
+
     def __init__(self, comm, local_rank: int, host_index: int):
         from mpi4py import MPI
 
@@ -41,8 +41,8 @@ class MPIInterHost:
     def _op16(self, dtype: str, op: str):
         key = (dtype, op)
         if key not in self._ops:
-            wire = np.dtype(_NUMPY[dtype])
-            kind = "bf16" if dtype == "bfloat16" else "fp16"
+            wire = check.DTYPES[dtype]
+            kind = check.wire_kind(dtype)
 
             def combine(inbuf, inoutbuf, datatype, wire=wire, kind=kind, op=op):
                 a = np.frombuffer(inbuf, wire)
@@ -59,7 +59,8 @@ class MPIInterHost:
     def _reduce(self, comm, buf: np.ndarray, dtype: str, op: str) -> None:
         MPI = self._MPI
         if dtype in self._mpi_types:
-            comm.Allreduce(MPI.IN_PLACE, [buf.view(_NUMPY[dtype]), self._mpi_types[dtype]], op=self._builtin[op])
+            comm.Allreduce(MPI.IN_PLACE, [buf.view(check.DTYPES[dtype]), self._mpi_types[dtype]],
+                           op=self._builtin[op])
         else:
             comm.Allreduce(MPI.IN_PLACE, [buf.view(np.uint16), MPI.UINT16_T], op=self._op16(dtype, op))
 

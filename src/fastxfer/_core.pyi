@@ -1,0 +1,318 @@
+"""Type stubs for ``fastxfer._core``, the native module (csrc/bindings): SIMD kernels, fused
+buckets, the collective engine, topology and placement, and the JPEG input pipeline.
+
+Private: call it through the package. Argument validation lives in ``fastxfer._validate``; the
+native side only makes sure every buffer it is handed fits (dtype, layout, size: TypeError /
+ValueError naming the argument). Engine and topology failures come back as ``fastxfer.errors``
+types (PeerFailureError, MismatchError, FastxferError, TopologyError)."""
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+__version__: str
+
+# ---- CPU features and kernel dispatch ----------------------------------------------------------
+
+def simd_level() -> str:
+    """The active kernel path: 'scalar', 'avx2', 'avx512' or 'avx512bf16' (or the aarch64 names)."""
+
+def supported_simd_levels() -> list[str]:
+    """Every kernel path this CPU can run, slowest first."""
+
+def _set_simd_level(level: str) -> None:
+    """Testing hook: switch the kernel path (ValueError for an unknown or unsupported level)."""
+
+class CpuFeatures:
+    """What cpuid and XCR0 say this CPU (and OS) supports."""
+
+    avx2: bool
+    f16c: bool
+    fma: bool
+    avx512f: bool
+    avx512bw: bool
+    avx512vl: bool
+    avx512dq: bool
+    avx512_bf16: bool
+    avx512_fp16: bool
+    amx_bf16: bool
+    amx_tile: bool
+
+def cpu_features() -> CpuFeatures:
+    """This CPU's features (probed once, at import)."""
+
+def default_threads() -> int:
+    """The kernels' default thread count: FASTXFER_THREADS, else the CPUs this process may use."""
+
+def _set_stream_stores(on: bool) -> None:
+    """Testing hook: non-temporal float32 stores in the kernels on the calling thread."""
+
+def _set_thread_flush_denormals(on: bool) -> bool:
+    """Testing hook: set FTZ+DAZ on the calling thread (as TensorFlow's threads do); returns the old state."""
+
+# ---- compression kernels (compression: 'bf16' or 'fp16'; wire arrays are bfloat16 / float16) ---
+
+def compress_into(src: np.ndarray, dst: np.ndarray, compression: str, scale: float = 1.0, threads: int = 0) -> None:
+    """dst = round_to_nearest_even(src * scale): float32 in, the 16-bit wire dtype out, same element count."""
+
+def decompress_into(src: np.ndarray, dst: np.ndarray, compression: str, scale: float = 1.0, threads: int = 0) -> None:
+    """dst = float32(src) * scale: the 16-bit wire dtype in, float32 out, same element count."""
+
+def accumulate(acc: np.ndarray, src: np.ndarray, compression: str, threads: int = 0) -> None:
+    """acc += decompress(src), in float32."""
+
+def sum_compress(a: np.ndarray, b: np.ndarray, out: np.ndarray, compression: str, threads: int = 0) -> None:
+    """out = compress(decompress(a) + decompress(b)); out may alias a or b."""
+
+# ---- fusion --------------------------------------------------------------------------------------
+
+class Bucket:
+    """A fused bucket planned by BucketPlanner (read-only)."""
+
+    @property
+    def dtype(self) -> str:
+        """dtype name of every tensor in the bucket."""
+    @property
+    def compression(self) -> str:
+        """How float32 tensors travel: 'none', 'bf16' or 'fp16' ('none' for other dtypes)."""
+    @property
+    def wire_dtype(self) -> str:
+        """dtype name of the packed buffer's elements."""
+    @property
+    def tensors(self) -> list[int]:
+        """Indices into the planner's input, ascending."""
+    @property
+    def offsets(self) -> list[int]:
+        """Element offset of each tensor in the packed buffer."""
+    @property
+    def numels(self) -> list[int]:
+        """Element count of each tensor."""
+    @property
+    def numel(self) -> int:
+        """Elements in the packed buffer, alignment padding included."""
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed buffer (numel * wire element size)."""
+
+class BucketPlanner:
+    """Groups tensors, in gradient-ready order, into buckets of one dtype under a byte cap on the wire."""
+
+    def __init__(self, cap_bytes: int = ..., first_cap_bytes: int = ..., compression: str = "none") -> None:
+        """Caps in bytes after compression (defaults 25 MiB and 1 MiB); ValueError for an unknown compression."""
+    @property
+    def cap_bytes(self) -> int:
+        """The cap of every bucket after the first."""
+    @property
+    def first_cap_bytes(self) -> int:
+        """The cap of the first bucket."""
+    @property
+    def compression(self) -> str:
+        """'none', 'bf16' or 'fp16'."""
+    def plan(self, specs: Sequence[tuple[int, str]]) -> list[Bucket]:
+        """specs: (numel, dtype name) per tensor in gradient-ready order; the same list plans the same buckets."""
+
+def pack(bucket: Bucket, tensors: Sequence[np.ndarray], out: np.ndarray, scale: float = 1.0, threads: int = 0) -> None:
+    """Copy the bucket's tensors into ``out`` (at least bucket.nbytes), scaling and compressing on the way."""
+
+def unpack(bucket: Bucket, buffer: np.ndarray, outs: Sequence[np.ndarray], scale: float = 1.0,
+           threads: int = 0) -> None:
+    """Split a packed buffer into ``outs`` (one per tensor), decompressing and scaling on the way."""
+
+# ---- the collective engine -------------------------------------------------------------------
+
+class CommStats:
+    """Where the collectives' time went, cumulative since init (seconds, counts, bytes on the wire)."""
+
+    pack_s: float
+    wait_s: float
+    reduce_s: float
+    unpack_s: float
+    negotiate_s: float
+    chunks: int
+    rounds: int
+    wire_bytes: int
+
+class Engine:
+    """The background collective engine over shared memory (one per process)."""
+
+    def __init__(self, name: str, rank: int, size: int, window_bytes: int, oob_bytes: int, timeout_s: float,
+                 attach_timeout_s: float, threads: int, cpus: Sequence[int], bucket_cap_bytes: int,
+                 max_records: int, stream_min_bytes: int, inter_host: Any = None) -> None:
+        """Create or attach this host's segment ``name`` and start the engine thread; waits for the other local
+        ranks. ``inter_host``: an object with the InterHost methods (fastxfer.comm.mpi.MPIInterHost) for jobs
+        that span several hosts."""
+    @property
+    def rank(self) -> int:
+        """This process's rank in the engine's group."""
+    @property
+    def size(self) -> int:
+        """Number of ranks in the engine's group."""
+    @property
+    def oob_capacity(self) -> int:
+        """The largest oob_allreduce, in bytes."""
+    @property
+    def running(self) -> bool:
+        """Whether the engine thread is still serving requests."""
+    def submit(self, kind: str, name: str, input: np.ndarray | None, output: np.ndarray | None, op: str = "sum",
+               compression: str = "none", root: int = 0, prescale: float = 1.0, postscale: float = 1.0,
+               bucket_cap: int = 0) -> int:
+        """Queue a collective ('allreduce', 'broadcast', 'allgather', 'barrier'); returns its request id.
+        The buffers must stay alive and unchanged until release()."""
+    def wait(self, id: int) -> None:
+        """Block (without the GIL) until the request finishes; raises its error."""
+    def done(self, id: int) -> bool:
+        """Whether the request has finished."""
+    def release(self, id: int) -> None:
+        """Forget a finished request (its buffers are no longer touched)."""
+    def take_finished(self) -> list[int]:
+        """Ids of requests finished since the last call."""
+    def take_gathered(self, id: int) -> tuple[np.ndarray, int]:
+        """An allgather's result: (raw uint8 bytes, total rows along axis 0)."""
+    def oob_allreduce(self, input: np.ndarray, output: np.ndarray, name: str, op: str, postscale: float) -> None:
+        """Reduce a small array on the out-of-band lane, on the calling thread (GIL released)."""
+    def stats(self) -> CommStats:
+        """Where the time went so far (a snapshot)."""
+    def shutdown(self) -> None:
+        """Leave the group (collective); stops the engine thread."""
+
+# ---- topology and placement ------------------------------------------------------------------
+
+class CpuEntry:
+    """One logical CPU as sysfs describes it."""
+
+    cpu: int
+    socket: int
+    core: int
+    node: int
+    online: bool
+    allowed: bool
+
+class NodeEntry:
+    """One NUMA node: its CPUs (online or not) and memory."""
+
+    id: int
+    cpus: list[int]
+    memory_mb: int
+
+class CacheEntry:
+    """One cache of the first usable CPU."""
+
+    level: int
+    type: str
+    size_kb: int
+
+class Isa:
+    """The instruction-set features placement and precision depend on."""
+
+    avx2: bool
+    f16c: bool
+    avx512f: bool
+    avx512_bf16: bool
+    amx_bf16: bool
+    amx_tile: bool
+
+class Topology:
+    """The machine (or a snapshot of one) as probe_topology found it."""
+
+    cpus: list[CpuEntry]
+    nodes: list[NodeEntry]
+    caches: list[CacheEntry]
+    isa: Isa
+    notes: list[str]
+    @property
+    def sockets(self) -> int:
+        """Sockets with at least one usable CPU."""
+    @property
+    def cores(self) -> int:
+        """Usable physical cores."""
+    @property
+    def threads_per_core(self) -> int:
+        """Most usable SMT siblings on one core."""
+
+class WorkerPlacement:
+    """Where one local worker runs and how many threads it uses."""
+
+    local_rank: int
+    cpus: list[int]
+    mem_nodes: list[int]
+    comm_cpus: list[int]
+    intra_op_threads: int
+    inter_op_threads: int
+    numactl: str
+    env: dict[str, str]
+
+class Plan:
+    """The placement of N workers on a topology."""
+
+    mode: str
+    workers: list[WorkerPlacement]
+    precision_policy: str
+
+def probe_topology(root: str = "/", live: bool = True) -> Topology:
+    """root='/' and live=True: this machine; otherwise a snapshot laid out like / under root (TopologyError
+    when malformed)."""
+
+def plan_workers(topology: Topology, workers: int, prefer: str = "socket") -> Plan:
+    """The placement of ``workers`` workers ('socket' or 'numa' preferred when the count matches both)."""
+
+def format_cpu_list(cpus: Sequence[int]) -> str:
+    """Sorted CPU numbers -> the canonical sysfs form, e.g. '0-3,8'."""
+
+def parse_cpu_list(text: str) -> list[int]:
+    """A sysfs-form CPU list -> sorted CPU numbers without repeats (TopologyError when malformed)."""
+
+def bind_cpus(cpus: Sequence[int]) -> None:
+    """Restrict this process (and what it execs) to ``cpus`` (sched_setaffinity)."""
+
+def bind_memory(nodes: Sequence[int]) -> None:
+    """Bind this process's memory to NUMA ``nodes`` (set_mempolicy MPOL_BIND)."""
+
+# ---- input pipeline ----------------------------------------------------------------------------
+
+def jpeg_support() -> tuple[bool, str]:
+    """(built, note): whether this build has the ROI JPEG decoder, and why not."""
+
+class TileLayout:
+    """The MCU grid of a tiled JPEG."""
+
+    height: int
+    width: int
+    mcu_h: int
+    mcu_w: int
+    rows: int
+    cols: int
+    subsampled: bool
+
+def jpeg_tile_layout(data: bytes | bytearray | memoryview | np.ndarray) -> TileLayout | None:
+    """The MCU grid of a tiled JPEG (a restart marker after every MCU), or None for any other data."""
+
+def jpeg_tile_crop(data: bytes | bytearray | memoryview | np.ndarray, r0: int, r1: int, c0: int, c1: int) -> bytes:
+    """The JPEG of MCU rows [r0, r1) and columns [c0, c1) of a tiled JPEG."""
+
+def resize_normalize(img: np.ndarray, y0: int, x0: int, ch: int, cw: int, out: np.ndarray, flip: bool,
+                     brightness: float, contrast: float, saturation: float, mean: np.ndarray,
+                     std: np.ndarray) -> None:
+    """Crop + resize + flip + jitter + normalise one uint8 HxWxC image into out (float32 or bfloat16, oh x ow x 3)."""
+
+class JpegBatchDecoder:
+    """Region-of-interest JPEG decode fused with crop/resize/normalise, on its own threads."""
+
+    def __init__(self, library_path: str, threads: int = 0, max_pixels: int = 1 << 28) -> None:
+        """Open libjpeg-turbo at ``library_path``; RuntimeError naming the path when it cannot."""
+    @property
+    def library_path(self) -> str:
+        """The libjpeg-turbo this decoder uses."""
+    @property
+    def threads(self) -> int:
+        """Decoding threads."""
+    def transcode(self, data: bytes | bytearray | memoryview | np.ndarray) -> bytes:
+        """Lossless transcode of a JPEG to fastxfer's tiled form (a restart marker after every MCU)."""
+    def set_decode_only(self, on: bool) -> None:
+        """Benchmark switch: decode the rows each crop needs and drop them (out is not written)."""
+    def set_tiles(self, on: bool) -> None:
+        """False decodes tiled records by region of interest, as untiled ones (tests and benchmarks)."""
+    def decode_batch(self, records: Sequence[bytes | bytearray | memoryview | np.ndarray], heights: np.ndarray,
+                     widths: np.ndarray, boxes: np.ndarray, flips: np.ndarray, jitter: np.ndarray, mean: np.ndarray,
+                     std: np.ndarray, out: np.ndarray) -> list[str]:
+        """Decode records[i] cropped to boxes[i] (y, x, h, w) into out[i]; one message per image ('' when written)."""
