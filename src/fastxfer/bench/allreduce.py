@@ -13,21 +13,17 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import shutil
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
 
-from fastxfer.bench._common import machine_info, markdown_table, print_markdown, print_table, print_targets, status, write_json
-
-GB = 1e9
+from fastxfer.bench.harness import (GB, free_port, launcher_command, machine_info, markdown_table, print_markdown,
+                                    print_table, print_targets, pyplot, read_results, save_plot, status, target,
+                                    worker_command, write_json)
 
 
 def _sizes(b: int, e: int, f: int) -> list[int]:
@@ -38,103 +34,10 @@ def _sizes(b: int, e: int, f: int) -> list[int]:
     return out
 
 
-def _iters(nbytes: int, scale: float) -> int:
-    base = 60 if nbytes <= 1 << 16 else 25 if nbytes <= 1 << 22 else 15
-    return max(3, int(base * scale))
-
-
-def _pattern(rank: int, n: int) -> np.ndarray:
-    return ((np.arange(n) % 13) + rank).astype(np.float32)
-
-
-def _expected(size: int, n: int) -> np.ndarray:
-    return (size * (np.arange(n) % 13) + size * (size - 1) / 2).astype(np.float32)
-
-
-# ---- workers (one process per rank) ---------------------------------------------------------
-
-def _time_sweep(rank, size, sizes, scale, barrier, ops, results):
-    """ops: {label: op(x, out)}. Each label runs all its iterations at a size before the next label
-    starts (as nccl-tests does: interleaving would let one variant's buffers evict another's)."""
-    for label, op in ops.items():
-        for nbytes in sizes:
-            n = nbytes // 4
-            x = _pattern(rank, n)
-            out = np.empty_like(x)
-            res = op(x, out)
-            got = res if res is not None else out
-            wrong = int(np.count_nonzero(got != _expected(size, n)))
-            times = []
-            for _ in range(_iters(nbytes, scale)):
-                barrier()
-                t0 = time.perf_counter()
-                op(x, out)
-                times.append(time.perf_counter() - t0)
-            results.append({"impl": label, "bytes": nbytes, "p50": statistics.median(times), "wrong": wrong,
-                            "iters": len(times)})
-
-
-def _worker(impl: str, sizes: list[int], scale: float, out_path: str) -> None:
-    results: list[dict] = []
-    if impl == "fastxfer":
-        import fastxfer as fx
-
-        fx.init()
-        rank, size = fx.rank(), fx.size()
-        _time_sweep(rank, size, sizes, scale, fx.barrier,
-                    {f"fastxfer {c}": (lambda x, o, c=c: fx.allreduce(x, op="sum", compression=c, out=o))
-                     for c in ("none", "bf16", "fp16")}, results)
-        stats = fx.engine_stats()
-        fx.shutdown()
-    elif impl == "gloo":
-        import torch
-        import torch.distributed as dist
-
-        rank, size = int(os.environ["FASTXFER_RANK"]), int(os.environ["FASTXFER_SIZE"])
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['BENCH_PORT']}", rank=rank,
-                                world_size=size)
-
-        def op(x, o):
-            t = torch.from_numpy(o)
-            np.copyto(o, x)  # gloo reduces in place; copy the input in, as an out-of-place call would
-            dist.all_reduce(t)
-        _time_sweep(rank, size, sizes, scale, dist.barrier, {"torch gloo": op}, results)
-        dist.destroy_process_group()
-        stats = {}
-    elif impl == "mpi4py":
-        from mpi4py import MPI
-
-        comm = MPI.COMM_WORLD
-        rank, size = comm.Get_rank(), comm.Get_size()
-        _time_sweep(rank, size, sizes, scale, comm.Barrier,
-                    {"mpi4py Allreduce": lambda x, o: comm.Allreduce(x, o, op=MPI.SUM)}, results)
-        stats = {}
-    elif impl == "horovod":
-        import horovod.numpy as hvd  # pragma: no cover - not installable on TF 2.21
-
-        hvd.init()
-        rank, size = hvd.rank(), hvd.size()
-        _time_sweep(rank, size, sizes, scale, lambda: hvd.allreduce(np.zeros(1)),
-                    {"horovod": lambda x, o: hvd.allreduce(x, op=hvd.Sum)}, results)
-        stats = {}
-    else:
-        raise SystemExit(f"unknown worker {impl}")
-    with open(f"{out_path}.{rank}", "w") as f:
-        json.dump({"rank": rank, "size": size, "results": results, "stats": stats}, f)
-
-
-# ---- driver -----------------------------------------------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(impl: str, np_: int, sizes: list[int], scale: float, tmp: str) -> tuple[list[dict], str | None]:
     out = os.path.join(tmp, impl)
-    worker = [sys.executable, "-m", "fastxfer.bench.allreduce", "--worker", impl, "--sizes",
-              ",".join(map(str, sizes)), "--iters-scale", str(scale), "--out", out]
+    worker = worker_command("allreduce_worker", "--impl", impl, "--sizes", ",".join(map(str, sizes)),
+                            "--iters-scale", str(scale), "--out", out)
     env = dict(os.environ)
     if impl == "mpi4py":
         mpirun = shutil.which("mpirun")
@@ -143,16 +46,15 @@ def _launch(impl: str, np_: int, sizes: list[int], scale: float, tmp: str) -> tu
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1")
         cmd = [mpirun, "-np", str(np_), "--bind-to", "none"] + worker
     else:
-        env["BENCH_PORT"] = str(_free_port())
-        cmd = [sys.executable, "-m", "fastxfer.cli", "run", "-np", str(np_), "--"] + worker
+        env["BENCH_PORT"] = str(free_port())
+        cmd = launcher_command(np_) + worker
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     if r.returncode != 0:
         tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
         return [], f"failed (exit {r.returncode}): {' | '.join(tail)}"
-    per_rank = []
-    for k in range(np_):
-        with open(f"{out}.{k}") as f:
-            per_rank.append(json.load(f))
+    per_rank = read_results(out, np_)
+    if len(per_rank) != np_:
+        return [], f"only {len(per_rank)} of {np_} ranks wrote results"
     rows = []
     for i, row in enumerate(per_rank[0]["results"]):
         row = dict(row)
@@ -204,13 +106,12 @@ def _targets(rows, big) -> list[dict]:
         p = _at(rows, peer, big)
         if fx_none and p:
             ratio = fx_none["busbw"] / p["busbw"]
-            out.append({"target": f"fastxfer busbw >= {need:g}x {peer} at {big >> 20} MB", "value": ratio,
-                        "need": need, "ok": ratio >= need})
+            out.append(target(f"fastxfer busbw >= {need:g}x {peer} at {big >> 20} MB", ratio, need, ratio >= need))
     fx_bf16 = _at(rows, "fastxfer bf16", big)
     if fx_none and fx_bf16:
         ratio = fx_none["p50"] / fx_bf16["p50"]
-        out.append({"target": f"bf16-compressed faster than uncompressed at {big >> 20} MB (speed-up)",
-                    "value": ratio, "need": 1.0, "ok": ratio > 1.0})
+        out.append(target(f"bf16-compressed faster than uncompressed at {big >> 20} MB (speed-up)", ratio, 1.0,
+                          ratio > 1.0))
     return out
 
 
@@ -296,11 +197,9 @@ def report(res: dict, markdown: bool = False) -> None:
 
 
 def plot(res: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.8))
     for impl in dict.fromkeys(r["impl"] for r in res["rows"]):
         sel = [r for r in res["rows"] if r["impl"] == impl]
@@ -329,9 +228,7 @@ def plot(res: dict, path: str) -> None:
     a2.grid(alpha=0.3)
     m = res["machine"]
     fig.suptitle(f"fastxfer bench allreduce - {m['cpu']}, {m['date']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    status(f"plot written to {path}")
+    save_plot(fig, path)
 
 
 def _parse_size(text: str) -> int:
@@ -375,15 +272,5 @@ def main(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(prog="python -m fastxfer.bench.allreduce", description=__doc__)
-    ap.add_argument("--worker")
-    ap.add_argument("--sizes")
-    ap.add_argument("--out")
-    known, rest = ap.parse_known_args()
-    if known.worker:
-        scale = 1.0
-        if "--iters-scale" in rest:
-            scale = float(rest[rest.index("--iters-scale") + 1])
-        _worker(known.worker, [int(s) for s in known.sizes.split(",")], scale, known.out)
-    else:
-        add_arguments(ap)
-        sys.exit(main(ap.parse_args()))
+    add_arguments(ap)
+    sys.exit(main(ap.parse_args()))

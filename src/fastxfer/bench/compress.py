@@ -9,18 +9,19 @@ result is checked bit for bit against ml_dtypes (bf16) / numpy (fp16), the ``#wr
 from __future__ import annotations
 
 import argparse
-import json
+import importlib.util
 import os
 import subprocess
 import sys
+import tempfile
 
 import ml_dtypes
 import numpy as np
 
 import fastxfer as fx
-from fastxfer import _core
-from fastxfer.bench._common import (Row, machine_info, median_seconds, print_markdown, print_table, print_targets, status,
-                                    usable_cpus, write_json)
+from fastxfer.bench.harness import (Row, machine_info, median_seconds, print_markdown, print_table, print_targets,
+                                    pyplot, read_results, save_plot, status, target, usable_cpus, worker_command,
+                                    write_json)
 from fastxfer.fusion import BucketPlanner, pack
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -34,50 +35,24 @@ def _mismatches(got, want) -> int:
     return int(np.count_nonzero(g.view(width) != w.view(width)))
 
 
-# ---- peers run in a child process (their thread pools are fixed at start-up) -----------------
-
-_TF_CHILD = r"""
-import json, os, sys, time, statistics
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-import numpy as np
-import tensorflow as tf
-threads, n, reps = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-tf.config.threading.set_intra_op_parallelism_threads(threads)
-tf.config.threading.set_inter_op_parallelism_threads(1)
-x = np.random.default_rng(0).standard_normal(n).astype(np.float32)
-t32 = tf.constant(x)
-tb = tf.cast(t32, tf.bfloat16); th = tf.cast(t32, tf.float16)
-def med(f):
-    for _ in range(2): f()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter(); f(); ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-out = {"version": tf.__version__,
-       "f32->bf16": med(lambda: tf.cast(t32, tf.bfloat16)),
-       "f32->fp16": med(lambda: tf.cast(t32, tf.float16)),
-       "bf16->f32": med(lambda: tf.cast(tb, tf.float32)),
-       "fp16->f32": med(lambda: tf.cast(th, tf.float32)),
-       "bits": {"f32->bf16": tf.cast(t32, tf.bfloat16).numpy().view(np.uint16)[:: max(1, n // 65536)].tolist(),
-                "f32->fp16": tf.cast(t32, tf.float16).numpy().view(np.uint16)[:: max(1, n // 65536)].tolist()}}
-print("FASTXFER_JSON " + json.dumps(out))
-"""
-
+# ---- peers --------------------------------------------------------------------------------------
 
 def _tf_times(threads: int, n: int, reps: int) -> dict | None:
+    """tf.cast timings from a child process (TensorFlow's thread pools are fixed at start-up)."""
     try:
-        import importlib.util
-
         if importlib.util.find_spec("tensorflow") is None:
             return None
     except ValueError:
         return None
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    r = subprocess.run([sys.executable, "-c", _TF_CHILD, str(threads), str(n), str(reps)], env=env,
-                       capture_output=True, text=True, timeout=900)
-    for line in r.stdout.splitlines():
-        if line.startswith("FASTXFER_JSON "):
-            return json.loads(line[len("FASTXFER_JSON "):])
+    with tempfile.TemporaryDirectory(prefix="fastxfer-bench-") as tmp:
+        out = os.path.join(tmp, "tf")
+        r = subprocess.run(worker_command("compress_worker", "--threads", str(threads), "--elements", str(n),
+                                          "--reps", str(reps), "--out", out),
+                           env=env, capture_output=True, text=True, timeout=900)
+        got = read_results(out, 1)
+    if r.returncode == 0 and got:
+        return got[0]
     status(f"tf.cast peer failed (exit {r.returncode}): {r.stderr.strip().splitlines()[-1:] or ''}")
     return None
 
@@ -120,7 +95,7 @@ def run(size_mb: float = 64, reps: int = 11, threads: list[int] | None = None, p
         if t == 1:
             add("copy f32", "numpy.copyto", t, lambda: np.copyto(out32, x), 8 * n)
         (copy_bucket,) = BucketPlanner(1 << 62, 1 << 62).plan([x])
-        add("copy f32", "fastxfer threaded copy", t, lambda: _core.pack(copy_bucket, [x], out32, 1.0, t), 8 * n)
+        add("copy f32", "fastxfer threaded copy", t, lambda: pack(copy_bucket, [x], out=out32, threads=t), 8 * n)
 
         for op, kind, ref, lib, lib_name in (("f32->bf16", "bf16", ref_b, BF16, "ml_dtypes"),
                                              ("f32->fp16", "fp16", ref_h, F16, "numpy")):
@@ -182,7 +157,7 @@ def run(size_mb: float = 64, reps: int = 11, threads: list[int] | None = None, p
             label, copy_fn = "memcpy f32 (numpy.copyto)", lambda: np.copyto(big_out, big)
         else:
             (copy_big,) = BucketPlanner(1 << 62, 1 << 62).plan([big])
-            label, copy_fn = "threaded copy f32", lambda: _core.pack(copy_big, [big], big_out, 1.0, t)
+            label, copy_fn = "threaded copy f32", lambda: pack(copy_big, [big], out=big_out, threads=t)
         memcpy = median_seconds(copy_fn, reps)
         rows.append(Row("pack 100 tensors", label, str(t), memcpy, m, 8 * m))
         sec = median_seconds(lambda: pack(bucket, tensors, out=packed, threads=t), reps)
@@ -215,22 +190,19 @@ def _targets(rows: list[Row]) -> list[dict]:
     ml = [r for r in (_find(rows, "f32->bf16", "ml_dtypes astype"), _find(rows, "f32->bf16", "ml_dtypes copyto (out=)")) if r]
     npy = [r for r in (_find(rows, "f32->fp16", "numpy astype"), _find(rows, "f32->fp16", "numpy copyto (out=)")) if r]
     if fb and ml:
-        best = min(r.seconds for r in ml)
-        out.append({"target": "f32->bf16, 1 thread, >= 5x ml_dtypes (its faster form)", "value": best / fb.seconds,
-                    "need": 5.0, "ok": best / fb.seconds >= 5.0})
+        speedup = min(r.seconds for r in ml) / fb.seconds
+        out.append(target("f32->bf16, 1 thread, >= 5x ml_dtypes (its faster form)", speedup, 5.0, speedup >= 5.0))
     if fb and copy:
         frac = fb.gb_s / copy.gb_s
-        out.append({"target": "f32->bf16, 1 thread, >= 80% of copy bandwidth (bytes moved)", "value": frac,
-                    "need": 0.8, "ok": frac >= 0.8})
+        out.append(target("f32->bf16, 1 thread, >= 80% of copy bandwidth (bytes moved)", frac, 0.8, frac >= 0.8))
     if fh and npy:
-        best = min(r.seconds for r in npy)
-        out.append({"target": "f32->fp16, 1 thread, >= 5x numpy (its faster form)", "value": best / fh.seconds,
-                    "need": 5.0, "ok": best / fh.seconds >= 5.0})
+        speedup = min(r.seconds for r in npy) / fh.seconds
+        out.append(target("f32->fp16, 1 thread, >= 5x numpy (its faster form)", speedup, 5.0, speedup >= 5.0))
     for r in rows:
         if r.op == "pack 100 tensors" and r.impl == "fastxfer pack+bf16":
             slow = 1 / r.ratio
-            out.append({"target": f"pack+bf16 of 100 tensors within 1.2x one memcpy (threads={r.threads})",
-                        "value": slow, "need": 1.2, "ok": slow <= 1.2})
+            out.append(target(f"pack+bf16 of 100 tensors within 1.2x one memcpy (threads={r.threads})", slow, 1.2,
+                              slow <= 1.2))
     return out
 
 
@@ -256,11 +228,9 @@ def report(result: dict, markdown: bool = False) -> None:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return
     rows = result["rows"]
     ops = list(dict.fromkeys(r["op"] for r in rows))
     ncol = 3
@@ -279,9 +249,7 @@ def plot(result: dict, path: str) -> None:
         ax.tick_params(axis="y", labelsize=7)
     m = result["machine"]
     fig.suptitle(f"fastxfer bench compress - {m['cpu']}, {m['cpus']} CPUs, {m['date']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    status(f"plot written to {path}")
+    save_plot(fig, path)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,4 +1,5 @@
-"""Shared pieces of the benchmarks: timing, machine description, tables, JSON and plots."""
+"""The one harness every benchmark uses: timing, the machine description, starting worker modules
+and collecting their results, targets, and the output (terminal table, markdown, JSON, plots)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import dataclasses
 import json
 import os
 import platform
+import socket
 import statistics
 import sys
 import time
@@ -13,6 +15,8 @@ from collections.abc import Callable
 
 GB = 1e9  # benchmarks report decimal gigabytes, as nccl-tests does
 
+
+# ---- timing -----------------------------------------------------------------------------------
 
 def median_seconds(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
     """Median wall time of fn() over `reps` calls after `warmup` untimed ones."""
@@ -25,6 +29,17 @@ def median_seconds(fn: Callable[[], object], reps: int, warmup: int = 2) -> floa
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
+
+def timed_call(fn: Callable[[], object]) -> tuple[float, float]:
+    """(wall seconds, CPU cores busy) of one call of fn: process CPU time / wall time, so that a
+    "per core" figure can be checked against what the call really used."""
+    c0, t0 = time.process_time(), time.perf_counter()
+    fn()
+    dt = time.perf_counter() - t0
+    return dt, (time.process_time() - c0) / dt
+
+
+# ---- the machine ------------------------------------------------------------------------------
 
 def cpu_model() -> str:
     try:
@@ -45,6 +60,7 @@ def usable_cpus() -> int:
 
 
 def machine_info() -> dict:
+    """What every result carries: when, on which CPU, with which versions and which command."""
     import numpy as np
 
     import fastxfer
@@ -61,6 +77,47 @@ def machine_info() -> dict:
         else " ".join([os.path.basename(sys.executable)] + sys.argv),
     }
 
+
+# ---- worker processes -------------------------------------------------------------------------
+# Workers are modules under fastxfer.bench.workers. Each writes its result as JSON to `OUT.<rank>`
+# (a file rather than stdout: launchers prefix and interleave the workers' output, and peers'
+# libraries print to stdout too).
+
+def worker_command(name: str, *args: str) -> list[str]:
+    """The command line that runs worker module `name` (e.g. "allreduce_worker") in this Python."""
+    return [sys.executable, "-m", f"fastxfer.bench.workers.{name}", *args]
+
+
+def launcher_command(np_: int, *options: str) -> list[str]:
+    """`fastxfer run -np N [options] --`, to be followed by a worker command."""
+    return [sys.executable, "-m", "fastxfer.cli", "run", "-np", str(np_), *options, "--"]
+
+
+def write_result(out: str, rank: int, payload: dict) -> None:
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(payload, f)
+
+
+def read_results(out: str, ranks: int) -> list[dict]:
+    """The results of ranks 0..ranks-1, in rank order; ranks that wrote none are left out."""
+    got = []
+    for rank in range(ranks):
+        try:
+            with open(f"{out}.{rank}") as f:
+                got.append(json.load(f))
+        except FileNotFoundError:
+            pass
+    return got
+
+
+def free_port() -> int:
+    """A TCP port on localhost that was free a moment ago (for peers that rendezvous over TCP)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- results ----------------------------------------------------------------------------------
 
 @dataclasses.dataclass
 class Row:
@@ -86,6 +143,18 @@ class Row:
         d = dataclasses.asdict(self)
         d.update(gelem_s=self.gelem_s, gb_s=self.gb_s, ms=self.seconds * 1e3)
         return d
+
+
+def target(text: str, value: float, need: float, ok: bool) -> dict:
+    """One of the issue's targets as evaluated on this run (the form JSON and the reports use)."""
+    return {"target": text, "value": value, "need": need, "ok": ok}
+
+
+# ---- output -----------------------------------------------------------------------------------
+
+def status(msg: str) -> None:
+    """One line of progress on stderr (keeps stdout clean for --json -)."""
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
 def print_table(title: str, columns: list[str], rows: list[list[str]], caption: str = "") -> None:
@@ -116,20 +185,6 @@ def markdown_table(columns: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
-def write_json(path: str, payload: dict) -> None:
-    text = json.dumps(payload, indent=2)
-    if path == "-":
-        print(text)
-    else:
-        with open(path, "w") as f:
-            f.write(text + "\n")
-
-
-def status(msg: str) -> None:
-    """One line of progress on stderr (keeps stdout clean for --json -)."""
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
-
-
 def print_markdown(machine: dict, caption: str, columns: list[str], rows: list[list[str]],
                    targets: list[dict] | None = None) -> None:
     """The block a benchmark prints for bench/RESULTS.md: command, machine line, table, targets."""
@@ -144,3 +199,32 @@ def print_markdown(machine: dict, caption: str, columns: list[str], rows: list[l
 def print_targets(targets: list[dict]) -> None:
     for t in targets:
         print(f"  [{'PASS' if t['ok'] else 'MISS'}] {t['target']}: {t['value']:.2f} (need {t['need']:g})")
+
+
+def write_json(path: str, payload: dict) -> None:
+    """The results as JSON to `path`, or to stdout when path is "-"."""
+    text = json.dumps(payload, indent=2)
+    if path == "-":
+        print(text)
+    else:
+        with open(path, "w") as f:
+            f.write(text + "\n")
+
+
+def pyplot():
+    """matplotlib.pyplot drawing to files (Agg), or None, said on stderr, when it is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        status("matplotlib is not installed: no plot (pip install matplotlib)")
+        return None
+    return plt
+
+
+def save_plot(fig, path: str, dpi: int = 110) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    status(f"plot written to {path}")

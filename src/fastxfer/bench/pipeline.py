@@ -24,11 +24,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
 
-from fastxfer.bench._common import machine_info, print_markdown, print_table, print_targets, status, usable_cpus
+from fastxfer.bench.harness import (machine_info, markdown_table, print_markdown, print_table, print_targets, pyplot,
+                                    save_plot, status, target, timed_call, usable_cpus, worker_command, write_json)
 
 PHOTOS = ["astronaut", "coffee", "chelsea", "rocket", "hubble_deep_field", "immunohistochemistry", "retina",
           "stereo_motorcycle"]
@@ -61,18 +61,12 @@ def make_set(n: int, size: tuple[int, int], seed: int = 0) -> list[bytes]:
 def _timed(fn, n_images: int, reps: int) -> tuple[float, float]:
     """(images/s, CPU cores busy) of fn, median over reps after a warm-up."""
     fn()  # warm-up (JIT, caches, first-read checksums)
-    times, cpus = [], []
-    for _ in range(reps):
-        c0, t0 = time.process_time(), time.perf_counter()
-        fn()
-        dt = time.perf_counter() - t0
-        times.append(dt)
-        cpus.append((time.process_time() - c0) / dt)
+    times, cpus = zip(*(timed_call(fn) for _ in range(reps)))
     return n_images / statistics.median(times), statistics.median(cpus)
 
 
 def _params(heights, widths, train: bool):
-    from fastxfer.data import kernels as K
+    from fastxfer.data import sampling as K
 
     u = K.image_uniforms(0, 0, 0, np.arange(len(heights)))
     return K.augment_params(u, np.asarray(heights), np.asarray(widths), train)
@@ -81,7 +75,7 @@ def _params(heights, widths, train: bool):
 def _pil_pipeline(jpegs, train: bool):
     from PIL import Image
 
-    from fastxfer.data import kernels as K
+    from fastxfer.data.decoders import numba_ref as K
 
     mean = K.IMAGENET_MEAN * 255
     std = K.IMAGENET_STD * 255
@@ -104,8 +98,8 @@ def _kernel_rows(jpegs, reps: int) -> list[dict]:
     import simplejpeg
     from PIL import Image
 
-    from fastxfer import _core
-    from fastxfer.data import kernels as K
+    from fastxfer import _core  # the C++ resampler itself: it has no Python wrapper to time instead
+    from fastxfer.data.decoders import numba_ref as K
 
     imgs = [simplejpeg.decode_jpeg(d) for d in jpegs[:32]]
     boxes, flips, _ = _params([im.shape[0] for im in imgs], [im.shape[1] for im in imgs], True)
@@ -141,50 +135,6 @@ def _kernel_rows(jpegs, reps: int) -> list[dict]:
     return rows
 
 
-_TF_CHILD = r"""
-import json, os, sys, time, statistics
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-import numpy as np, tensorflow as tf
-tf.config.threading.set_intra_op_parallelism_threads(1)
-tf.config.threading.set_inter_op_parallelism_threads(1)
-path, train = sys.argv[1], sys.argv[2] == "1"
-jpegs = json.load(open(path))["files"]
-data = [open(f, "rb").read() for f in jpegs]
-mean = tf.constant([0.485, 0.456, 0.406]) * 255
-std = tf.constant([0.229, 0.224, 0.225]) * 255
-import resource
-def cpu(): r = resource.getrusage(resource.RUSAGE_SELF); return r.ru_utime + r.ru_stime
-def train_map(b):
-    shape = tf.io.extract_jpeg_shape(b)
-    begin, size, _ = tf.image.sample_distorted_bounding_box(shape, tf.zeros([0, 0, 4]), min_object_covered=0.0,
-        aspect_ratio_range=(3 / 4, 4 / 3), area_range=(0.08, 1.0), max_attempts=10, use_image_if_no_bounding_boxes=True)
-    window = tf.stack([begin[0], begin[1], size[0], size[1]])
-    img = tf.io.decode_and_crop_jpeg(b, window, channels=3)
-    img = tf.image.resize(img, (224, 224), method="bilinear")
-    img = tf.image.random_flip_left_right(img)
-    return (img - mean) / std
-def eval_map(b):
-    s = tf.io.extract_jpeg_shape(b)
-    side = tf.cast(tf.cast(tf.minimum(s[0], s[1]), tf.float32) * 0.875, tf.int32)
-    window = tf.stack([(s[0] - side) // 2, (s[1] - side) // 2, side, side])
-    img = tf.io.decode_and_crop_jpeg(b, window, channels=3)
-    img = tf.image.resize(img, (224, 224), method="bilinear")
-    return (img - mean) / std
-ds = tf.data.Dataset.from_tensor_slices(data).map(train_map if train else eval_map, num_parallel_calls=1).batch(32)
-opts = tf.data.Options(); opts.threading.private_threadpool_size = 1; opts.autotune.enabled = False
-ds = ds.with_options(opts)
-def run():
-    for _ in ds: pass
-run()  # warm-up (tracing)
-print("READY " + tf.__version__, flush=True)
-for line in sys.stdin:  # one timed pass per request, so the parent can interleave the peers
-    if line.strip() != "run":
-        break
-    c0, t0 = cpu(), time.perf_counter(); run(); t = time.perf_counter() - t0
-    print(json.dumps({"seconds": t, "cpu_seconds": cpu() - c0}), flush=True)
-"""
-
-
 class _Peer:
     """One contender of an interleaved measurement: rep() runs one timed pass over the set."""
 
@@ -193,12 +143,10 @@ class _Peer:
         self.times, self.cpus = [], []
 
     def rep(self, record=True):
-        c0, t0 = time.process_time(), time.perf_counter()
-        self.fn()
-        dt = time.perf_counter() - t0
+        dt, busy = timed_call(self.fn)
         if record:
             self.times.append(dt)
-            self.cpus.append((time.process_time() - c0) / dt)
+            self.cpus.append(busy)
 
     def close(self):
         pass
@@ -211,9 +159,9 @@ class _TfPeer(_Peer):
         listing = os.path.join(tmp, "files.json")
         with open(listing, "w") as f:
             json.dump({"files": files}, f)
-        self.proc = subprocess.Popen([sys.executable, "-c", _TF_CHILD, listing, "1" if train else "0"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+        cmd = worker_command("pipeline_worker", "--files", listing, *(["--train"] if train else []))
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
         version = ""
         for line in self.proc.stdout:
             if line.startswith("READY "):
@@ -256,7 +204,7 @@ def run(n: int, reps: int, batch: int, tf_peer: bool = True) -> dict:
     import simplejpeg
 
     from fastxfer.data import Loader, pack
-    from fastxfer.data.loader import native_decoder_status
+    from fastxfer.data.decoders.native import native_decoder_status
 
     rows = []
     cpus = usable_cpus()
@@ -296,7 +244,7 @@ def run(n: int, reps: int, batch: int, tf_peer: bool = True) -> dict:
                     ld = Loader(packed, batch, image_size=224, train=train, threads=t, rank=0, size=1, prefetch=2,
                                 decoder="native" if decoder == "decode-only" else decoder)
                     if decoder == "decode-only":
-                        ld._native.set_decode_only(True)
+                        ld.native_decoder.set_decode_only(True)
                     loaders.append(ld)
 
                     def go(ld=ld):
@@ -346,14 +294,11 @@ def _targets(rows) -> list[dict]:
     tf5, dec5 = _rate(rows, "500x375", "tf.data", "train"), _rate(rows, "500x375", "libjpeg", "decode")
     tf10 = _rate(rows, "1000x750", "tf.data", "train")
     if fx5 and tf5:
-        out.append({"target": "train, 500x375: >= 2x tf.data per core", "value": fx5 / tf5, "need": 2.0,
-                    "ok": fx5 / tf5 >= 2.0})
+        out.append(target("train, 500x375: >= 2x tf.data per core", fx5 / tf5, 2.0, fx5 / tf5 >= 2.0))
     if fx5 and dec5:
-        out.append({"target": "train, 500x375: >= 70% of decode alone", "value": fx5 / dec5, "need": 0.7,
-                    "ok": fx5 / dec5 >= 0.7})
+        out.append(target("train, 500x375: >= 70% of decode alone", fx5 / dec5, 0.7, fx5 / dec5 >= 0.7))
     if fx10 and tf10:
-        out.append({"target": "train, 1000x750: >= 3x tf.data per core", "value": fx10 / tf10, "need": 3.0,
-                    "ok": fx10 / tf10 >= 3.0})
+        out.append(target("train, 1000x750: >= 3x tf.data per core", fx10 / tf10, 3.0, fx10 / tf10 >= 3.0))
     return out
 
 
@@ -383,26 +328,18 @@ def main(args: argparse.Namespace) -> int:
     if args.markdown:
         print_markdown(m, caption, cols, rows, res["targets"])
         if krows:
-            from fastxfer.bench._common import markdown_table
-
             print()
             print(markdown_table(kcols, krows))
     if args.plot:
         _plot(res, args.plot)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
+        write_json(args.json, res)
     return 0
 
 
 def _plot(res: dict, path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        status("matplotlib is not installed: no plot (pip install matplotlib)")
+    plt = pyplot()
+    if plt is None:
         return
     sets = ["500x375", "1000x750"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -414,9 +351,7 @@ def _plot(res: dict, path: str) -> None:
         ax.invert_yaxis()
         ax.set_xlabel("images/s on one core")
         ax.set_title(label)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    status(f"plot written to {path}")
+    save_plot(fig, path, dpi=120)
 
 
 if __name__ == "__main__":
