@@ -48,7 +48,7 @@ def parse(argv=None):
 def build_sets(root: str, n_train: int, n_val: int) -> tuple[str, str]:
     """JPEG crops of the scikit-image photographs in class folders, packed with fastxfer.data."""
     from fastxfer.bench.pipeline import PHOTOS, make_set
-    from fastxfer.data.packed import pack
+    from fastxfer.data import pack
 
     out = []
     for split, n, seed in (("train", n_train, 1), ("val", n_val, 2)):

@@ -6,6 +6,7 @@ stored bytes matter, on tiled and byte-for-byte packs."""
 import os
 import subprocess
 import sys
+import threading
 import warnings
 
 import numpy as np
@@ -15,18 +16,11 @@ simplejpeg = pytest.importorskip("simplejpeg")
 pytest.importorskip("numba")
 
 from fastxfer.data import Loader, pack  # noqa: E402
-from fastxfer.data.loader import decode  # noqa: E402
+from fastxfer.data.decoders.numba_ref import decode  # noqa: E402
 
 COLORS = np.array([[200, 30, 30], [30, 200, 30], [30, 30, 200], [200, 200, 30]], np.uint8)
 MEAN = np.zeros(3, np.float32)
 STD = np.full(3, 1 / 255, np.float32)  # outputs in pixel units
-
-
-def solid(label, h, w, rng):
-    img = np.empty((h, w, 3), np.uint8)
-    img[:] = COLORS[label]
-    img += rng.integers(0, 3, img.shape, dtype=np.uint8)  # a little texture
-    return simplejpeg.encode_jpeg(img, quality=95)
 
 
 @pytest.fixture(params=["native", "numba"])
@@ -34,20 +28,24 @@ def decoder(request):
     return request.param
 
 
-def build(tmp_path, n=40, sizes=((60, 80), (120, 90), (300, 400)), extra=(), tiles=True):
-    rng = np.random.default_rng(0)
-    items = []
-    for i in range(n):
-        label = i % len(COLORS)
-        h, w = sizes[i % len(sizes)]
-        p = tmp_path / f"{i}.jpg"
-        p.write_bytes(solid(label, h, w, rng))
-        items.append((str(p), label))
-    for p, label in extra:
-        items.append((p, label))
-    out = tmp_path / "d.fxpack"
-    pack(items, str(out), [f"c{k}" for k in range(len(COLORS))], progress=False, tiles=tiles)
-    return out
+@pytest.fixture
+def build(tmp_path, make_jpeg):
+    """build(n=40, sizes=..., extra=(), tiles=True) -> a pack of n images, each of its class's colour."""
+    def build(n=40, sizes=((60, 80), (120, 90), (300, 400)), extra=(), tiles=True):
+        rng = np.random.default_rng(0)
+        items = []
+        for i in range(n):
+            label = i % len(COLORS)
+            h, w = sizes[i % len(sizes)]
+            p = tmp_path / f"{i}.jpg"
+            p.write_bytes(make_jpeg(h, w, seed=rng, color=COLORS[label], quality=95))
+            items.append((str(p), label))
+        for p, label in extra:
+            items.append((p, label))
+        out = tmp_path / "d.fxpack"
+        pack(items, str(out), [f"c{k}" for k in range(len(COLORS))], progress=False, tiles=tiles)
+        return out
+    return build
 
 
 def label_of(image):
@@ -63,8 +61,8 @@ def loader(path, **kw):
     return Loader(str(path), mean=MEAN, std=STD, **kw)
 
 
-def test_labels_follow_their_images_train_and_eval(tmp_path, decoder):
-    path = build(tmp_path)
+def test_labels_follow_their_images_train_and_eval(build, decoder):
+    path = build()
     for train in (True, False):
         ld = loader(path, batch_size=8, image_size=32, train=train, color_jitter=(0.2, 0.2, 0.2) if train else (0, 0, 0),
                     decoder=decoder)
@@ -78,8 +76,8 @@ def test_labels_follow_their_images_train_and_eval(tmp_path, decoder):
         ld.close()
 
 
-def test_sharding_disjoint_equal_and_reshuffled(tmp_path):
-    path = build(tmp_path, n=41)
+def test_sharding_disjoint_equal_and_reshuffled(build):
+    path = build(n=41)
     a = loader(path, batch_size=4, image_size=16, rank=0, size=2)
     b = loader(path, batch_size=4, image_size=16, rank=1, size=2)
     ia, ib = a.indices(), b.indices()
@@ -110,20 +108,13 @@ def test_dct_scaled_decode_only_as_much_as_needed():
 
 
 @pytest.mark.parametrize("tiles", [True, False])
-def test_bad_records_are_skipped_counted_and_labels_stay_right(tmp_path, decoder, tiles):
-    noisy = np.random.default_rng(1).integers(0, 255, (200, 200, 3), dtype=np.uint8)
-    good = simplejpeg.encode_jpeg(noisy, quality=95)
+def test_bad_records_are_skipped_counted_and_labels_stay_right(tmp_path, build, make_jpeg, corrupt_record, decoder,
+                                                               tiles):
+    good = make_jpeg(200, 200, seed=1, quality=95)
     broken = tmp_path / "broken.jpg"
     broken.write_bytes(good[: len(good) // 2])  # header fine, body cut: decoding fails
-    path = build(tmp_path, n=16, extra=[(str(broken), 2)], tiles=tiles)
-    # flip bytes inside one record: its checksum no longer matches
-    from fastxfer.data import PackedDataset
-
-    with PackedDataset(str(path), verify=False) as ds:
-        off = int(ds.index[5]["offset"]) + 200
-    with open(path, "r+b") as f:
-        f.seek(off)
-        f.write(b"\xff\x00\xff")
+    path = build(n=16, extra=[(str(broken), 2)], tiles=tiles)
+    corrupt_record(path, 5, at=200)  # its checksum no longer matches
     ld = loader(path, batch_size=17, image_size=24, train=False, decoder=decoder)
     with pytest.warns(RuntimeWarning, match="skipped 2 unreadable record"):
         images, labels = ld.batch(0)
@@ -149,15 +140,19 @@ def test_grayscale_and_cmyk(tmp_path, decoder, tiles):
     ld.close()
 
 
-def test_mixup_bf16_and_early_stop(tmp_path, decoder):
-    path = build(tmp_path)
+def test_mixup_bf16_and_early_stop(build, decoder):
+    path = build()
     ld = loader(path, batch_size=8, image_size=16, mixup_alpha=0.4, label_smoothing=0.1, dtype="bfloat16",
                 decoder=decoder)
     it = iter(ld)
     images, targets = next(it)
     assert images.dtype.name == "bfloat16" and targets.shape == (8, 4)
     np.testing.assert_allclose(targets.sum(1), 1.0, rtol=1e-5)
-    it.close()  # stopping early does not hang the prefetch thread
+    # stopping early does not hang the prefetch thread (in a thread of ours, so a hang fails the test)
+    closer = threading.Thread(target=it.close, daemon=True)
+    closer.start()
+    closer.join(timeout=60)
+    assert not closer.is_alive(), "closing the batch iterator early hung"
     ld.close()
     with pytest.raises(ValueError, match="dtype must be"):
         Loader(str(path), 4, dtype="float16", rank=0, size=1)
@@ -166,12 +161,12 @@ def test_mixup_bf16_and_early_stop(tmp_path, decoder):
 
 
 @pytest.mark.parametrize("tiles", [True, False])
-def test_fuzzed_jpegs_never_crash_the_loader(tmp_path, decoder, tiles):
+def test_fuzzed_jpegs_never_crash_the_loader(tmp_path, make_jpeg, decoder, tiles):
     rng = np.random.default_rng(7)
     items = []
     for i in range(120):
         label = i % len(COLORS)
-        data = bytearray(solid(label, 40 + i % 30, 50, rng))
+        data = bytearray(make_jpeg(40 + i % 30, 50, seed=rng, color=COLORS[label], quality=95))
         for _ in range(int(rng.integers(0, 6))):
             data[int(rng.integers(2, len(data)))] = int(rng.integers(0, 256))
         if rng.random() < 0.2:
@@ -205,8 +200,8 @@ print("KERAS", len(k), xb.shape, yb.shape)
 
 
 @pytest.mark.skipif(__import__("importlib").util.find_spec("tensorflow") is None, reason="TensorFlow not installed")
-def test_tf_and_keras_adapters(tmp_path):
-    path = build(tmp_path)
+def test_tf_and_keras_adapters(build):
+    path = build()
     r = subprocess.run([sys.executable, "-c", ADAPTERS, str(path)], capture_output=True, text=True, timeout=300,
                        cwd="/", env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
     assert r.returncode == 0, r.stderr[-2000:]

@@ -27,7 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from fastxfer.data.packed import PackedDataset, PackedFormatError, pack, read_list_file, scan_image_folder
+    from fastxfer.data.format import PackedFormatError
+    from fastxfer.data.reader import PackedDataset
+    from fastxfer.data.writer import pack, read_list_file, scan_image_folder
     from fastxfer.errors import FastxferError
 
     try:

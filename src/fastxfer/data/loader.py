@@ -2,7 +2,8 @@
 
 Each epoch every rank draws the same permutation (seed, epoch) and takes every size-th record
 from it, truncated so all ranks get the same number of batches (ranks of a data-parallel job
-must step together). Two decoders, the same images up to float rounding:
+must step together). Augmentation parameters come from sampling.py; two decoders (decoders/),
+the same images up to float rounding:
 
 - ``"native"`` (the default when available): the C++ core decodes only the crop's scanlines and
   iMCU columns with libjpeg-turbo (the copy inside Pillow's wheel, opened at run time), shrunk in
@@ -18,7 +19,7 @@ A background thread keeps `prefetch` batches ready.
 Bad records (checksum mismatch, undecodable, a colour space libjpeg-turbo cannot convert) never
 stop the loader and never get another record's label: the slot is filled with another image of
 the same batch together with that image's label, ``loader.skipped`` counts them, and a warning
-names the first one of each epoch.
+per batch that had any names one of them.
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ import os
 import queue
 import threading
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from fastxfer.data import kernels as K
-from fastxfer.data.packed import PackedDataset
+from fastxfer.data.adapters import as_keras, as_tf_dataset
+from fastxfer.data.decoders.native import MAX_PIXELS, NativeDecoder, native_decoder_status
+from fastxfer.data.decoders.numba_ref import IMAGENET_MEAN, IMAGENET_STD, NumbaDecoder
+from fastxfer.data.reader import PackedDataset
+from fastxfer.data.sampling import augment_params, image_uniforms, mixup
 
 
 def _default_threads() -> int:
@@ -41,80 +44,6 @@ def _default_threads() -> int:
     if env:
         return max(1, int(env))
     return max(1, len(os.sched_getaffinity(0)))
-
-
-_MAX_PIXELS = 1 << 28  # 268 M pixels: larger images are rejected (decompression bombs)
-
-
-def libjpeg_path() -> str | None:
-    """The libjpeg-turbo shared library the native decoder opens: $FASTXFER_LIBJPEG, else the copy
-    bundled in Pillow's wheel, else the one the dynamic loader finds; None when there is none."""
-    env = os.environ.get("FASTXFER_LIBJPEG")
-    if env:
-        return env
-    import glob
-    import importlib.util
-
-    spec = importlib.util.find_spec("PIL")
-    if spec is not None and spec.origin:
-        site = os.path.dirname(os.path.dirname(spec.origin))
-        for pattern in ("pillow.libs/libjpeg*.so*", "PIL/.dylibs/libjpeg*.dylib", "Pillow.libs/libjpeg*.so*"):
-            hits = sorted(glob.glob(os.path.join(site, pattern)))
-            if hits:
-                return hits[0]
-    import ctypes.util
-
-    return ctypes.util.find_library("jpeg")
-
-
-def native_decoder_status() -> tuple[bool, str]:
-    """(usable, why): whether Loader(decoder="native") can run here."""
-    from fastxfer import _core
-
-    built, note = _core.jpeg_support()
-    if not built:
-        return False, note
-    path = libjpeg_path()
-    if not path:
-        return False, "no libjpeg-turbo found: install Pillow (its wheel bundles one) or set FASTXFER_LIBJPEG"
-    try:
-        _core.JpegBatchDecoder(path, 1)
-    except RuntimeError as e:
-        return False, str(e)
-    return True, path
-
-
-def decode(data, height: int, width: int, box: tuple[int, int, int, int], out_hw: tuple[int, int]):
-    """Decode just enough of a JPEG for `box` to be resized to out_hw: returns (image, box in the
-    decoded image's coordinates). Uses DCT scaling by the largest of 8/4/2 that keeps the crop at
-    least out_hw; grayscale stays one channel; CMYK (Adobe, inverted) is converted to RGB."""
-    import simplejpeg
-
-    y, x, h, w = box
-    oh, ow = out_hw
-    factor = 1
-    for f in (8, 4, 2):
-        if h // f >= oh and w // f >= ow:
-            factor = f
-            break
-    kw = {}
-    if factor > 1:
-        kw = dict(min_height=math.ceil(height / factor), min_width=math.ceil(width / factor), min_factor=factor)
-    hh, ww, colorspace, _ = simplejpeg.decode_jpeg_header(data)
-    if colorspace == "GRAY":
-        img = simplejpeg.decode_jpeg(data, colorspace="GRAY", **kw)
-        if img.ndim == 2:
-            img = img[:, :, None]
-    elif colorspace == "CMYK":
-        cmyk = simplejpeg.decode_jpeg(data, colorspace="CMYK", **kw).astype(np.uint16)
-        img = (cmyk[..., :3] * cmyk[..., 3:4] // 255).astype(np.uint8)
-    else:
-        img = simplejpeg.decode_jpeg(data, colorspace="RGB", **kw)
-    sy, sx = img.shape[0] / hh, img.shape[1] / ww
-    y2, x2 = int(y * sy), int(x * sx)
-    h2 = max(1, min(img.shape[0] - y2, int(round(h * sy))))
-    w2 = max(1, min(img.shape[1] - x2, int(round(w * sx))))
-    return img, (y2, x2, h2, w2)
 
 
 class Loader:
@@ -125,8 +54,8 @@ class Loader:
                  mixup_alpha: float = 0.0, label_smoothing: float = 0.0, num_classes: int | None = None,
                  color_jitter: tuple[float, float, float] = (0.0, 0.0, 0.0), scale=(0.08, 1.0),
                  ratio=(3 / 4, 4 / 3), flip: bool = True, cache: bool = False, prefetch: int = 2,
-                 drop_last: bool | None = None, verify: bool = True, mean=K.IMAGENET_MEAN, std=K.IMAGENET_STD,
-                 decoder: str = "auto", max_pixels: int = _MAX_PIXELS):
+                 drop_last: bool | None = None, verify: bool = True, mean=IMAGENET_MEAN, std=IMAGENET_STD,
+                 decoder: str = "auto", max_pixels: int = MAX_PIXELS):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if dtype not in ("float32", "bfloat16"):
@@ -141,9 +70,7 @@ class Loader:
             raise ValueError(f"rank {rank} is outside 0..{size - 1}")
         self.ds = PackedDataset(str(path), verify=verify)
         if cache:
-            self._blob = bytes(self.ds._mm)  # the whole file in memory (one copy)
-        else:
-            self._blob = None
+            self.ds.cache()
         self.batch_size, self.image_size, self.train = batch_size, int(image_size), train
         self.threads = threads or _default_threads()
         self.seed, self.rank, self.size, self.dtype = seed, rank, size, dtype
@@ -160,24 +87,25 @@ class Loader:
         if decoder not in ("auto", "native", "numba"):
             raise ValueError(f"decoder must be 'auto', 'native' or 'numba', not {decoder!r}")
         self.max_pixels = int(max_pixels)
-        self._native = None
-        self._pool = None
+        self._decoder = None
         if decoder in ("auto", "native"):
             usable, why = native_decoder_status()
             if usable:
-                from fastxfer import _core
-
-                self._native = _core.JpegBatchDecoder(why, self.threads, self.max_pixels)
+                self._decoder = NativeDecoder(why, self.threads, self.max_pixels)
             elif decoder == "native":
                 raise RuntimeError(f"the native JPEG decoder is not available: {why} (use decoder='numba')")
             else:
                 warnings.warn(f"fastxfer.data: native JPEG decoder unavailable ({why}); using simplejpeg + Numba, "
                               f"which is slower", RuntimeWarning, stacklevel=2)
-        self.decoder = "native" if self._native is not None else "numba"
-        if self._native is None:
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="fastxfer-loader")
-        self._pid = os.getpid()
-        self._scratch = threading.local()  # per-thread resize buffer, reused across images
+        if self._decoder is None:
+            self._decoder = NumbaDecoder(self.threads)
+        self.decoder = self._decoder.name
+
+    @property
+    def native_decoder(self):
+        """The core's JpegBatchDecoder this loader decodes with (None on the Numba path): for
+        benchmarks and tests that switch its modes (tiles, decode-only)."""
+        return getattr(self._decoder, "batch_decoder", None)
 
     # -- which records, in which order ------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -197,51 +125,27 @@ class Loader:
         return m // self.batch_size if self.drop_last else math.ceil(m / self.batch_size)
 
     # -- one batch ----------------------------------------------------------------------------------
-    def _record(self, i: int):
-        if self._blob is None:
-            return self.ds.record(i)
-        rec = self.ds.index[i]
-        off, n = int(rec["offset"]), int(rec["size"])
-        return self.ds.checked(i, memoryview(self._blob)[off:off + n])
-
     def params(self, idx) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(boxes (n, 4) of (y, x, h, w), flips (n,), jitter (n, 3)) for records idx this epoch:
         drawn from (seed, epoch, rank, record), the same whichever decoder runs or batch holds them."""
         idx = np.asarray(idx, np.int64)
-        u = K.image_uniforms(self.seed, self.epoch, self.rank, idx) if self.train else None
-        return K.augment_params(u, self.ds.heights[idx], self.ds.widths[idx], self.train, self.scale, self.ratio,
-                                self.flip, self.color_jitter)
+        u = image_uniforms(self.seed, self.epoch, self.rank, idx) if self.train else None
+        return augment_params(u, self.ds.heights[idx], self.ds.widths[idx], self.train, self.scale, self.ratio,
+                              self.flip, self.color_jitter)
 
-    def _one(self, i: int, box, flip: bool, jitter, slot: np.ndarray) -> bool:
-        """Decode + augment record i into slot with simplejpeg + Numba; False if the record is bad."""
-        h, w = int(self.ds.heights[i]), int(self.ds.widths[i])
-        s = self.image_size
-        try:
-            img, box2 = decode(self._record(i), h, w, tuple(int(v) for v in box), (s, s))
-        except Exception as e:  # noqa: BLE001 - any decode failure means: this record is bad
-            self._last_error = f"record {int(i)}: {e}"
-            return False
-        scratch = getattr(self._scratch, "buf", None)
-        need = K.scratch_size(box2[2], s)
-        if scratch is None or scratch.size < need:
-            scratch = self._scratch.buf = np.empty(max(need, K.scratch_size(1024, s)), np.float32)
-        b, c, sat = (float(v) for v in jitter)
-        K.crop_resize_normalize_scratch(img, *box2, slot, bool(flip), b, c, sat, self.mean, self.std, scratch)
-        return True
-
-    def _native_batch(self, idx: np.ndarray, params, images: np.ndarray) -> list[bool]:
+    def _decode(self, idx: np.ndarray, params, images: np.ndarray) -> list[bool]:
+        """Decode records idx into images; False for each bad record (its reason in _last_error)."""
         boxes, flips, jitter = params
         records = []
         bad = {}
         for k, i in enumerate(idx):
             try:
-                records.append(self._record(int(i)))
+                records.append(self.ds.record(int(i)))
             except Exception as e:  # noqa: BLE001 - a checksum mismatch: this record is bad
                 bad[k] = f"record {int(i)}: {e}"
                 records.append(b"")
-        errors = self._native.decode_batch(records, self.ds.heights[idx].astype(np.int32),
-                                           self.ds.widths[idx].astype(np.int32), boxes, flips, jitter,
-                                           self.mean, self.std, images)
+        errors = self._decoder.decode_batch(records, self.ds.heights[idx], self.ds.widths[idx], boxes, flips, jitter,
+                                            self.mean, self.std, images)
         ok = []
         for k, e in enumerate(errors):
             if k in bad:
@@ -254,38 +158,19 @@ class Loader:
                 ok.append(True)
         return ok
 
-    def _after_fork(self) -> None:
-        """Threads do not survive fork(): a Loader used in a forked child (multiprocessing with
-        the fork start method) starts its own decoder threads there."""
-        if os.getpid() == self._pid:
-            return
-        if self._native is not None:
-            from fastxfer import _core
-
-            self._native = _core.JpegBatchDecoder(self._native.library_path, self.threads, self.max_pixels)
-        if self._pool is not None:
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="fastxfer-loader")
-        self._pid = os.getpid()
-
     def batch(self, b: int) -> tuple[np.ndarray, np.ndarray]:
         """Batch number b of the current epoch (random access: the same call gives the same batch)."""
-        self._after_fork()
         idx = self.indices()[b * self.batch_size:(b + 1) * self.batch_size]
         n, s = len(idx), self.image_size
         # bf16 straight from the kernel, unless mixup still has to blend in float32
-        native_bf16 = self.dtype == "bfloat16" and self._native is not None and self.mixup_alpha <= 0
+        native_bf16 = self.dtype == "bfloat16" and self.decoder == "native" and self.mixup_alpha <= 0
         if native_bf16:
             import ml_dtypes
 
             images = np.empty((n, s, s, 3), ml_dtypes.bfloat16)
         else:
             images = np.empty((n, s, s, 3), np.float32)
-        params = self.params(idx)
-        if self._native is not None:
-            ok = self._native_batch(idx, params, images)
-        else:
-            boxes, flips, jitter = params
-            ok = list(self._pool.map(lambda k: self._one(idx[k], boxes[k], flips[k], jitter[k], images[k]), range(n)))
+        ok = self._decode(idx, self.params(idx), images)
         labels = self.ds.labels[idx].astype(np.int32)
         good = [k for k in range(n) if ok[k]]
         if len(good) < n:
@@ -303,7 +188,7 @@ class Loader:
         targets = labels
         if self.mixup_alpha > 0 or self.label_smoothing > 0:
             mrng = np.random.default_rng(np.random.SeedSequence([self.seed, self.epoch, self.rank, b, 1]))
-            images, targets = K.mixup(images, labels, self.num_classes, self.mixup_alpha, self.label_smoothing, mrng)
+            images, targets = mixup(images, labels, self.num_classes, self.mixup_alpha, self.label_smoothing, mrng)
         if self.dtype == "bfloat16" and not native_bf16:
             import fastxfer as fx
 
@@ -346,48 +231,12 @@ class Loader:
     # -- framework adapters -----------------------------------------------------------------------
     def as_keras(self):
         """A keras.utils.PyDataset over this loader (reshuffles at each epoch end)."""
-        import keras
-
-        loader = self
-
-        class _Data(keras.utils.PyDataset):
-            def __init__(self):
-                super().__init__(workers=1, use_multiprocessing=False)
-
-            def __len__(self):
-                return len(loader)
-
-            def __getitem__(self, i):
-                return loader.batch(i)
-
-            def on_epoch_end(self):
-                loader.set_epoch(loader.epoch + 1)
-
-        return _Data()
+        return as_keras(self)
 
     def as_tf_dataset(self):
         """A tf.data.Dataset yielding this loader's batches (prefetched by the loader itself)."""
-        import tensorflow as tf
-
-        s = self.image_size
-        img_dtype = tf.bfloat16 if self.dtype == "bfloat16" else tf.float32
-        soft = self.mixup_alpha > 0 or self.label_smoothing > 0
-        label_spec = (tf.TensorSpec((None, self.num_classes), tf.float32) if soft else tf.TensorSpec((None,), tf.int32))
-
-        def gen():
-            for images, targets in self:
-                yield images, targets
-
-        return tf.data.Dataset.from_generator(
-            gen, output_signature=(tf.TensorSpec((None, s, s, 3), img_dtype), label_spec))
+        return as_tf_dataset(self)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-        self._native = None
+        self._decoder.close()
         self.ds.close()
-
-    def __del__(self):
-        pool = getattr(self, "_pool", None)
-        if pool is not None:
-            pool.shutdown(wait=False)

@@ -1,52 +1,30 @@
-"""The packed dataset format: one memory-mappable file holding every encoded image back to back,
-an index (offset, size, CRC-32, label, height, width per record) and the class names.
-
-Layout (little-endian)::
-
-    [header 64 B][records ...][index: count x 24 B][metadata JSON][footer 64 B]
-
-The footer is written last and repeats what the header cannot know in advance (index offset,
-record count, index CRC); a file without a valid footer is incomplete. Packing writes to
-``OUT.partial-<pid>`` and renames it over ``OUT`` only after flushing, so a crash never leaves a
-file named OUT that looks valid. Every record carries a CRC-32: readers check it (``verify=True``)
-and a mismatch raises CorruptRecordError naming the record.
-"""
+"""Writing a pack: ``pack`` reads image files (an image folder or a list file of 'path label'),
+transcodes each JPEG losslessly to the tiled form on all cores, and writes the pack atomically
+(format.py has the layout)."""
 
 from __future__ import annotations
 
 import json
-import mmap
 import os
-import struct
 import sys
 import threading
 import time
+import warnings
 import zlib
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from fastxfer import _core
+from fastxfer.data.decoders.native import libjpeg_path, native_decoder_status
+from fastxfer.data.format import (DATA_OFFSET, FOOTER, FOOTER_MAGIC, HEADER, INDEX_DTYPE, MAGIC, MAX_SIDE, VERSION,
+                                  PackedFormatError)
 from fastxfer.errors import FastxferError
-
-MAGIC = b"FXPACK\x00\x01"
-FOOTER_MAGIC = b"FXPKEND\x01"
-VERSION = 1
-HEADER = struct.Struct("<8sIIQQ32x")   # magic, version, flags, data_offset, reserved(Q), pad -> 64 B
-FOOTER = struct.Struct("<8sQQQQII16x")  # magic, record_count, index_offset, meta_offset, meta_bytes, index_crc, meta_crc
-INDEX_DTYPE = np.dtype([("offset", "<u8"), ("size", "<u4"), ("crc32", "<u4"), ("label", "<i4"),
-                        ("height", "<u2"), ("width", "<u2")])
-DATA_OFFSET = 4096
-
-
-class PackedFormatError(FastxferError):
-    """The file is not a complete fastxfer pack (wrong magic, truncated, bad index)."""
-
-
-class CorruptRecordError(PackedFormatError):
-    """A record's bytes do not match its checksum."""
 
 
 def _jpeg_header(data: bytes):
+    """((height, width, colorspace), None) from a JPEG's header, or (None, why) when it has none."""
     import simplejpeg
 
     try:
@@ -97,20 +75,16 @@ class _Tiler:
     csrc/data/jpeg_tiles.h) with the native decoder's libjpeg-turbo; one per packing thread."""
 
     def __init__(self):
-        from fastxfer import _core
-        from fastxfer.data.loader import libjpeg_path, native_decoder_status
-
         ok, why = native_decoder_status()
         if not ok:
             raise PackedFormatError(f"cannot tile JPEGs here: {why} (pack with tiles=False / --no-tiles)")
         self._local = threading.local()
         self._path = libjpeg_path()
-        self._core = _core
 
     def __call__(self, data: bytes) -> tuple[bytes, str | None]:
         dec = getattr(self._local, "dec", None)
         if dec is None:
-            dec = self._local.dec = self._core.JpegBatchDecoder(self._path, 1)
+            dec = self._local.dec = _core.JpegBatchDecoder(self._path, 1)
         try:
             return dec.transcode(data), None
         except RuntimeError as e:  # kept as it is: the loader decides at read time
@@ -118,6 +92,7 @@ class _Tiler:
 
 
 def _read(path: str):
+    """(bytes, None), or (None, why) when the file cannot be read (packing skips it)."""
     try:
         with open(path, "rb") as g:
             return g.read(), None
@@ -135,16 +110,10 @@ def pack(items: Iterable[tuple[str, int]], out: str, classes: list[str] | None =
     that cannot be transcoded (damaged data) are stored as they are. Metadata segments (EXIF, ICC)
     are not kept. Files are read and transcoded on `threads` threads (default: all usable CPUs).
     Returns a summary dict."""
-    from concurrent.futures import ThreadPoolExecutor
-
     items = list(items)
     if tiles is None:
-        from fastxfer.data.loader import native_decoder_status
-
         ok, why = native_decoder_status()
         if not ok:
-            import warnings
-
             warnings.warn(f"fastxfer.data.pack: storing JPEGs untiled: the native decoder is unavailable ({why})",
                           RuntimeWarning, stacklevel=2)
         tiles = ok
@@ -160,7 +129,7 @@ def pack(items: Iterable[tuple[str, int]], out: str, classes: list[str] | None =
         hdr, why = _jpeg_header(data)
         if hdr is None:
             return path, label, None, f"not a readable JPEG ({why})", None
-        if hdr[0] > 65535 or hdr[1] > 65535:
+        if hdr[0] > MAX_SIDE or hdr[1] > MAX_SIDE:
             return path, label, None, f"too large ({hdr[1]}x{hdr[0]})", None
         note = None
         if tiler is not None:
@@ -225,117 +194,3 @@ def pack(items: Iterable[tuple[str, int]], out: str, classes: list[str] | None =
             bar.close()
     return {"records": n, "skipped": skipped, "bytes": os.path.getsize(out), "seconds": time.monotonic() - t0,
             "classes": len(classes or []), "tiles": bool(tiles), "untiled": untiled}
-
-
-class PackedDataset:
-    """Read-only, memory-mapped view of a pack. ``len(ds)``, ``ds.labels``, ``ds.heights``,
-    ``ds.widths``, ``ds.record(i)`` (a zero-copy memoryview of the encoded bytes; with verify=True
-    its CRC is checked the first time this process reads it), ``ds.classes``."""
-
-    def __init__(self, path: str, verify: bool = True):
-        self.path = path
-        self.verify = verify
-        try:
-            self._file = open(path, "rb")
-        except OSError as e:
-            raise PackedFormatError(f"{path}: cannot open: {e.strerror}") from None
-        size = os.fstat(self._file.fileno()).st_size
-        if size < DATA_OFFSET + FOOTER.size:
-            self._file.close()
-            raise PackedFormatError(f"{path}: {size} bytes is too short for a fastxfer pack (truncated or not a pack)")
-        self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
-        try:
-            self._open(size)
-        except BaseException:
-            self.close()
-            raise
-
-    def _open(self, size: int) -> None:
-        magic, version, _flags, data_offset, _ = HEADER.unpack_from(self._mm, 0)
-        if magic != MAGIC:
-            raise PackedFormatError(f"{self.path}: not a fastxfer pack (magic {magic!r})")
-        if version != VERSION:
-            raise PackedFormatError(f"{self.path}: format version {version}, this fastxfer reads {VERSION}")
-        fmagic, count, index_offset, meta_offset, meta_bytes, index_crc, meta_crc = FOOTER.unpack_from(
-            self._mm, size - FOOTER.size)
-        if fmagic != FOOTER_MAGIC:
-            raise PackedFormatError(f"{self.path}: incomplete or truncated (no end marker in the last "
-                                    f"{FOOTER.size} bytes): re-run `fastxfer data pack`")
-        if not (data_offset <= index_offset <= meta_offset and
-                meta_offset + meta_bytes + FOOTER.size == size and
-                index_offset + count * INDEX_DTYPE.itemsize == meta_offset):
-            raise PackedFormatError(f"{self.path}: inconsistent layout (index at {index_offset}, {count} records, "
-                                    f"metadata at {meta_offset}, file {size} bytes)")
-        raw = self._mm[index_offset:meta_offset]
-        if zlib.crc32(raw) != index_crc:
-            raise PackedFormatError(f"{self.path}: the index is corrupted (checksum mismatch)")
-        meta = self._mm[meta_offset:meta_offset + meta_bytes]
-        if zlib.crc32(meta) != meta_crc:
-            raise PackedFormatError(f"{self.path}: the metadata is corrupted (checksum mismatch)")
-        self.index = np.frombuffer(raw, INDEX_DTYPE).copy()
-        self._verified = bytearray(len(self.index))  # CRC checked once per record per process
-        ends = self.index["offset"].astype(np.int64) + self.index["size"]
-        bad = np.flatnonzero((self.index["offset"] < data_offset) | (ends > index_offset))
-        if bad.size:
-            raise PackedFormatError(f"{self.path}: record {int(bad[0])} points outside the data region")
-        self.meta = json.loads(meta)
-        self.classes = list(self.meta.get("classes", []))
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-    @property
-    def labels(self) -> np.ndarray:
-        return self.index["label"]
-
-    @property
-    def heights(self) -> np.ndarray:
-        return self.index["height"]
-
-    @property
-    def widths(self) -> np.ndarray:
-        return self.index["width"]
-
-    def record(self, i: int) -> memoryview:
-        if not 0 <= i < len(self.index):
-            raise IndexError(f"record {i} out of range 0..{len(self.index) - 1}")
-        rec = self.index[i]
-        off, n = int(rec["offset"]), int(rec["size"])
-        return self.checked(i, memoryview(self._mm)[off:off + n])
-
-    def checked(self, i: int, view: memoryview) -> memoryview:
-        """`view` (record i's bytes, from the file or a copy of it), its CRC checked the first time
-        (verify=True); CorruptRecordError names the record on a mismatch."""
-        if self.verify and not self._verified[i]:
-            rec = self.index[i]
-            if zlib.crc32(view) != int(rec["crc32"]):
-                raise CorruptRecordError(f"{self.path}: record {i} (label {int(rec['label'])}, {int(rec['size'])} "
-                                         f"bytes at offset {int(rec['offset'])}) is corrupted: checksum mismatch")
-            self._verified[i] = 1
-        return view
-
-    def verify_all(self) -> list[int]:
-        """Indices of records whose checksum does not match."""
-        return [i for i in range(len(self.index))
-                if zlib.crc32(memoryview(self._mm)[int(self.index[i]["offset"]):int(self.index[i]["offset"])
-                                                    + int(self.index[i]["size"])]) != int(self.index[i]["crc32"])]
-
-    def close(self) -> None:
-        mm, self._mm = getattr(self, "_mm", None), None
-        if mm is not None:
-            try:
-                mm.close()
-            except BufferError:
-                pass  # views are still alive; the mapping goes when they do
-        f, self._file = getattr(self, "_file", None), None
-        if f is not None:
-            f.close()
-
-    def __del__(self):
-        self.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()

@@ -1,9 +1,8 @@
-"""Numba kernels of the input pipeline: random-resized-crop sampling, crop + resize (bilinear,
-antialiased when shrinking) + flip + colour jitter + normalisation written straight into a
-batch slot, and the evaluation centre crop.
+"""The reference decoder: simplejpeg decodes the image (DCT-scaled like the native path), and a
+Numba kernel crops, resizes (bilinear, antialiased when shrinking), flips, colour-jitters and
+normalises it straight into a batch slot, in a pool of Python threads. The native decoder is
+tested against it, and the Loader falls back to it when the core was built without jpeglib.h.
 
-Parameters are sampled with numpy (``sample_*``) from a per-image generator derived from
-(seed, epoch, rank, index), so a batch is reproducible; the per-image kernel only applies them.
 Kernels are ``njit(nogil=True, cache=True)``: loader threads run them in parallel, off the GIL.
 ``FASTXFER_NO_JIT=1`` runs the same code as plain Python (for debugging); every kernel also has
 ``.py_func`` and the tests compare the two.
@@ -13,6 +12,8 @@ from __future__ import annotations
 
 import math
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -29,98 +30,9 @@ else:
 
 _OPTS = dict(nogil=True, cache=True, fastmath=False, error_model="numpy")
 
+# the normalisation both decoders default to (the Loader's mean/std): ImageNet's statistics
 IMAGENET_MEAN = np.array([0.485, 0.456, 0.406], np.float32)
 IMAGENET_STD = np.array([0.229, 0.224, 0.225], np.float32)
-
-
-# ---- parameter sampling (numpy, a whole batch at once; deterministic per image) ------------------
-
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-DRAWS = 26  # uniforms per image: 10 crop tries x 2, crop position x 2, flip, 3 jitter factors
-
-
-def _splitmix(z: np.ndarray) -> np.ndarray:
-    """SplitMix64's finaliser on a uint64 array (wrapping arithmetic)."""
-    z = z + _GOLDEN
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
-
-def image_uniforms(seed: int, epoch: int, rank: int, indices, count: int = DRAWS) -> np.ndarray:
-    """(len(indices), count) float64 uniforms in [0, 1), a counter-based hash of (seed, epoch, rank,
-    index, draw): the same image gets the same draws whatever batch it lands in, and a batch costs
-    a few vectorised numpy operations instead of one generator per image."""
-    idx = np.asarray(indices, np.int64).astype(np.uint64).reshape(-1, 1)
-    key = np.array([seed, epoch, rank], np.int64).astype(np.uint64)
-    k = _splitmix(np.full(1, key[0]))
-    k = _splitmix(k ^ key[1])
-    k = _splitmix(k ^ key[2])
-    k = _splitmix(k ^ idx)
-    z = _splitmix(k + np.arange(1, count + 1, dtype=np.uint64) * _GOLDEN)
-    return (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
-
-
-def sample_rrc(u: np.ndarray, heights, widths, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)) -> np.ndarray:
-    """Random-resized-crop boxes (n, 4) int32 of (y, x, h, w), as torchvision samples them: area
-    uniform in `scale`, log-aspect-ratio uniform in `ratio`, 10 tries, then the centre crop closest
-    to `ratio`. u: (n, >= 22) uniforms (image_uniforms); columns 0-19 are the tries, 20-21 the
-    position."""
-    H = np.asarray(heights, np.float64)
-    W = np.asarray(widths, np.float64)
-    n = len(H)
-    area = H * W
-    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
-    hs = np.zeros(n)
-    ws = np.zeros(n)
-    done = np.zeros(n, bool)
-    for t in range(10):
-        target = area * (scale[0] + (scale[1] - scale[0]) * u[:, 2 * t])
-        ar = np.exp(log_lo + (log_hi - log_lo) * u[:, 2 * t + 1])
-        w = np.rint(np.sqrt(target * ar))
-        h = np.rint(np.sqrt(target / ar))
-        ok = ~done & (w > 0) & (w <= W) & (h > 0) & (h <= H)
-        hs[ok], ws[ok] = h[ok], w[ok]
-        done |= ok
-    boxes = np.empty((n, 4), np.int32)
-    y = np.minimum(np.floor(u[:, 20] * (H - hs + 1)), H - hs)
-    x = np.minimum(np.floor(u[:, 21] * (W - ws + 1)), W - ws)
-    boxes[:] = np.stack([y, x, hs, ws], 1)
-    for i in np.flatnonzero(~done):  # rare: fall back to the centre crop
-        h, w = int(H[i]), int(W[i])
-        in_ratio = w / h
-        if in_ratio < ratio[0]:
-            cw, ch = w, int(round(w / ratio[0]))
-        elif in_ratio > ratio[1]:
-            ch, cw = h, int(round(h * ratio[1]))
-        else:
-            cw, ch = w, h
-        boxes[i] = ((h - ch) // 2, (w - cw) // 2, ch, cw)
-    return boxes
-
-
-def augment_params(u: np.ndarray, heights, widths, train: bool, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3),
-                   flip: bool = True, color_jitter=(0.0, 0.0, 0.0)):
-    """(boxes (n, 4) int32, flips (n,) uint8, jitter (n, 3) float32 of brightness/contrast/saturation
-    factors) for a batch; evaluation: centre crops, no flip, no jitter."""
-    n = len(heights)
-    jitter = np.ones((n, 3), np.float32)
-    if not train:
-        boxes = np.array([center_crop_box(int(h), int(w)) for h, w in zip(heights, widths)], np.int32).reshape(n, 4)
-        return boxes, np.zeros(n, np.uint8), jitter
-    boxes = sample_rrc(u, heights, widths, scale, ratio)
-    flips = ((u[:, 22] < 0.5) & flip).astype(np.uint8)
-    for c, j in enumerate(color_jitter):
-        if j > 0:
-            lo = max(0.0, 1 - j)
-            jitter[:, c] = lo + (1 + j - lo) * u[:, 23 + c]
-    return boxes, flips, jitter
-
-
-def center_crop_box(height: int, width: int, fraction: float = 0.875):
-    """Evaluation crop: the centred square of side fraction x the shorter side (224 of 256)."""
-    side = max(1, int(round(min(height, width) * fraction)))
-    return (height - side) // 2, (width - side) // 2, side, side
 
 
 # ---- resampling --------------------------------------------------------------------------------
@@ -273,16 +185,84 @@ crop_resize_normalize.py_func = lambda img, y0, x0, ch, cw, out, flip, b, c, s, 
                                           np.empty(scratch_size(ch, out.shape[1]), np.float32))
 
 
-def mixup(images: np.ndarray, labels: np.ndarray, num_classes: int, alpha: float, smoothing: float,
-          rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """Mixup (Zhang et al.) of a batch with its reverse permutation, lambda ~ Beta(alpha, alpha),
-    on one-hot labels smoothed by `smoothing`. In place for the images; returns (images, targets)."""
-    n = len(labels)
-    onehot = np.full((n, num_classes), smoothing / num_classes, np.float32)
-    onehot[np.arange(n), labels] += 1.0 - smoothing
-    if alpha <= 0 or n < 2:
-        return images, onehot
-    lam = np.float32(rng.beta(alpha, alpha))
-    perm = np.arange(n)[::-1]
-    images[:] = lam * images + (1 - lam) * images[perm]
-    return images, lam * onehot + (1 - lam) * onehot[perm]
+# ---- decoding ----------------------------------------------------------------------------------
+
+def decode(data, height: int, width: int, box: tuple[int, int, int, int], out_hw: tuple[int, int]):
+    """Decode just enough of a JPEG for `box` to be resized to out_hw: returns (image, box in the
+    decoded image's coordinates). Uses DCT scaling by the largest of 8/4/2 that keeps the crop at
+    least out_hw; grayscale stays one channel; CMYK (Adobe, inverted) is converted to RGB."""
+    import simplejpeg
+
+    y, x, h, w = box
+    oh, ow = out_hw
+    factor = 1
+    for f in (8, 4, 2):
+        if h // f >= oh and w // f >= ow:
+            factor = f
+            break
+    kw = {}
+    if factor > 1:
+        kw = dict(min_height=math.ceil(height / factor), min_width=math.ceil(width / factor), min_factor=factor)
+    hh, ww, colorspace, _ = simplejpeg.decode_jpeg_header(data)
+    if colorspace == "GRAY":
+        img = simplejpeg.decode_jpeg(data, colorspace="GRAY", **kw)
+        if img.ndim == 2:
+            img = img[:, :, None]
+    elif colorspace == "CMYK":
+        cmyk = simplejpeg.decode_jpeg(data, colorspace="CMYK", **kw).astype(np.uint16)
+        img = (cmyk[..., :3] * cmyk[..., 3:4] // 255).astype(np.uint8)
+    else:
+        img = simplejpeg.decode_jpeg(data, colorspace="RGB", **kw)
+    sy, sx = img.shape[0] / hh, img.shape[1] / ww
+    y2, x2 = int(y * sy), int(x * sx)
+    h2 = max(1, min(img.shape[0] - y2, int(round(h * sy))))
+    w2 = max(1, min(img.shape[1] - x2, int(round(w * sx))))
+    return img, (y2, x2, h2, w2)
+
+
+class NumbaDecoder:
+    """Decodes a batch of records into normalised float32 slots, one image per pool thread
+    (decode() + crop_resize_normalize_scratch), with the native decoder's interface.
+
+    Threads do not survive fork(): used in a forked child, it starts a new pool there."""
+
+    name = "numba"
+
+    def __init__(self, threads: int):
+        self.threads = threads
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="fastxfer-loader")
+        self._pid = os.getpid()
+        self._scratch = threading.local()  # per-thread resize buffer, reused across images
+
+    def _one(self, data, height: int, width: int, box, flip: bool, jitter, mean, std, slot: np.ndarray) -> str:
+        """Decode + augment one record into slot; "" or why the record is bad."""
+        s_h, s_w = slot.shape[0], slot.shape[1]
+        try:
+            img, box2 = decode(data, height, width, tuple(int(v) for v in box), (s_h, s_w))
+        except Exception as e:  # noqa: BLE001 - any decode failure means: this record is bad
+            return str(e)
+        scratch = getattr(self._scratch, "buf", None)
+        need = scratch_size(box2[2], s_w)
+        if scratch is None or scratch.size < need:
+            scratch = self._scratch.buf = np.empty(max(need, scratch_size(1024, s_w)), np.float32)
+        b, c, sat = (float(v) for v in jitter)
+        crop_resize_normalize_scratch(img, *box2, slot, bool(flip), b, c, sat, mean, std, scratch)
+        return ""
+
+    def decode_batch(self, records, heights: np.ndarray, widths: np.ndarray, boxes: np.ndarray, flips: np.ndarray,
+                     jitter: np.ndarray, mean: np.ndarray, std: np.ndarray, out: np.ndarray) -> list[str]:
+        """Decode, crop, resize, flip, jitter and normalise records[k] into out[k] (float32);
+        returns one error message per image, "" where it succeeded."""
+        if os.getpid() != self._pid:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="fastxfer-loader")
+            self._pid = os.getpid()
+        return list(self._pool.map(lambda k: self._one(records[k], int(heights[k]), int(widths[k]), boxes[k],
+                                                       flips[k], jitter[k], mean, std, out[k]), range(len(records))))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def __del__(self):
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False)
