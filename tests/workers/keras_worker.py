@@ -264,12 +264,12 @@ def mismatch():
 
 
 def averaging():
-    from fastxfer.keras.callbacks import _average_variables
+    from fastxfer.keras.callbacks import average_variables
 
     r, n = hvd.rank(), hvd.size()
     v = keras.Variable(np.full((3, 2), float(r), np.float32))
     c = keras.Variable(np.array(7 + r, np.int64))  # non-float: left alone
-    _average_variables([v, c], "t")
+    average_variables([v, c], "t")
     assert np.array_equal(v.numpy(), np.full((3, 2), (n - 1) / 2, np.float32)) and int(c.numpy()) == 7 + r
     x, y = data(n)
     model = mlp(11 + r)

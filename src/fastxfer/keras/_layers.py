@@ -31,8 +31,9 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     global batch (all workers' samples together), as if one worker ran the concatenated batch.
 
     Each call reduces one small vector per layer (count, per-channel sums of x - c and of
-    (x - c)^2, with c the moving mean, which is the same on every rank) across ranks; the backward pass reduces its gradient the same way. Moving statistics are
-    updated from the global moments, so they stay identical on every rank. Inference and a
+    (x - c)^2, with c the moving mean, which is the same on every rank) across ranks; the backward
+    pass reduces its gradient the same way. Moving statistics are updated from the global moments,
+    so they stay identical on every rank. Inference and a
     single-rank job behave exactly like BatchNormalization. Same arguments as BatchNormalization
     (``synchronized`` is refused: that is the tf.distribute mechanism this layer replaces).
     """

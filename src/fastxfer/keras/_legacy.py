@@ -12,9 +12,8 @@ from __future__ import annotations
 import tensorflow as tf
 import tf_keras
 
-from fastxfer.keras import _optimizer as _k3
-
-_WRAPPED = _k3._WRAPPED
+from fastxfer.keras._distributed import (ACCUMULATORS, PASSES, accumulate_and_apply, distributed_class, is_distributed,
+                                         new_settings, reduce_gradients)
 
 
 class _LegacyMixin:
@@ -24,20 +23,19 @@ class _LegacyMixin:
         variables = [v for _, v in pairs]
         s = self._fastxfer
         if s.k == 1:
-            reduced = _k3._reduce(s, grads, variables)
+            reduced = reduce_gradients(s, grads, variables)
             return super().apply_gradients(list(zip(reduced, variables)), *args, **kwargs)
         accs = self._fastxfer_accumulators(variables)
-        _k3.accumulate_and_apply(
-            s, self._fastxfer_passes, accs, grads, variables,
+        accumulate_and_apply(
+            s, self.__dict__[PASSES], accs, grads, variables,
             lambda reduced: super(_LegacyMixin, self).apply_gradients(list(zip(reduced, variables)), *args, **kwargs))
         return self.iterations
 
     def _fastxfer_accumulators(self, variables):
-        store = self.__dict__.setdefault("_fastxfer_acc", {})
+        store = self.__dict__.setdefault(ACCUMULATORS, {})
         with tf.init_scope():
-            if "_fastxfer_passes" not in self.__dict__:
-                self.__dict__["_fastxfer_passes"] = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                                                name="fastxfer_passes")
+            if PASSES not in self.__dict__:
+                self.__dict__[PASSES] = tf.Variable(0, dtype=tf.int64, trainable=False, name="fastxfer_passes")
             for v in variables:
                 key = id(v)
                 if key not in store:
@@ -47,16 +45,11 @@ class _LegacyMixin:
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        config = dict(config)
-        fx_config = config.pop("fastxfer", None) or {}
-        base = cls.__mro__[2]
-        return _k3_distributed(base.from_config(config, custom_objects=custom_objects), fx_config)
-
-
-def _k3_distributed(inner, fx_config):
-    from fastxfer.keras import DistributedOptimizer
-
-    return DistributedOptimizer(inner, **fx_config)
+        # a copy built from a config is distributed too (with the default settings: the config
+        # is the wrapped class's and holds none of fastxfer's)
+        config = dict(config)  # from_config may deserialize entries in place: not in the caller's dict
+        base = cls.__mro__[2]  # the wrapped class (cls -> mixin -> base)
+        return distributed_legacy(base.from_config(config, custom_objects=custom_objects), new_settings())
 
 
 def is_legacy_optimizer(optimizer) -> bool:
@@ -65,18 +58,14 @@ def is_legacy_optimizer(optimizer) -> bool:
 
 
 def distributed_legacy(optimizer, settings):
-    if getattr(optimizer, _WRAPPED, False):
+    if is_distributed(optimizer):
         raise ValueError("this optimizer is already a fastxfer DistributedOptimizer")
     lso_types = (tf_keras.mixed_precision.LossScaleOptimizer,)
     if not isinstance(optimizer, lso_types) and tf_keras.mixed_precision.global_policy().name == "mixed_float16":
         optimizer = tf_keras.mixed_precision.LossScaleOptimizer(optimizer)
     if isinstance(optimizer, lso_types) and settings.k != 1:
         raise ValueError("backward_passes_per_step > 1 is not supported with loss scaling (mixed_float16)")
-    base = type(optimizer)
-    cls = _k3._classes.get(base)
-    if cls is None:
-        cls = type(base.__name__, (_LegacyMixin, base), {"__module__": base.__module__, _WRAPPED: True})
-        _k3._classes[base] = cls
-    optimizer.__class__ = cls  # in place: keeps what a config round trip would lose
+    # in place: keeps what a config round trip would lose
+    optimizer.__class__ = distributed_class(type(optimizer), _LegacyMixin)
     optimizer._fastxfer = settings
     return optimizer

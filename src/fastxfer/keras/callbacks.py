@@ -18,6 +18,7 @@ else:
 
 import fastxfer as _fx
 import fastxfer.tensorflow as _ftf
+from fastxfer.keras._distributed import accumulators
 
 
 def _inner(optimizer):
@@ -26,14 +27,6 @@ def _inner(optimizer):
 
 def _built(optimizer) -> bool:
     return bool(getattr(optimizer, "built", False) or getattr(optimizer, "_built", False))
-
-
-def _local_state(optimizer) -> list:
-    out = []
-    for o in (optimizer, _inner(optimizer)):
-        acc = o.__dict__.get("_fastxfer_acc")
-        out += list(acc.values()) if isinstance(acc, dict) else list(acc or [])
-    return out
 
 
 def _velocities(optimizer) -> list:
@@ -84,7 +77,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         opt = getattr(self.model, "optimizer", None)
         if with_optimizer and opt is not None:
             # backward_passes_per_step's accumulators hold this rank's own gradients: never broadcast
-            local = {id(v) for v in _local_state(opt)}
+            local = {id(v) for v in accumulators(opt)}
             ovs = list(opt.variables) if not callable(opt.variables) else list(opt.variables())
             vs += [v for v in ovs if id(v) not in local]
         return vs
@@ -212,7 +205,7 @@ def rank0_only(callback: keras.callbacks.Callback) -> keras.callbacks.Callback:
     return callback if _fx.rank() == 0 else keras.callbacks.Callback()
 
 
-def _average_variables(variables, name: str) -> None:
+def average_variables(variables, name: str) -> None:
     """Replace each float variable by its average over ranks (one fused reduction)."""
     vs = [v for v in variables if np.dtype(getattr(v.dtype, "as_numpy_dtype", v.dtype)).kind == "f"]
     values = [np.ascontiguousarray(np.asarray(v.numpy() if hasattr(v, "numpy") else v)) for v in vs]
@@ -250,7 +243,7 @@ class ModelAveragingCallback(keras.callbacks.Callback):
         vs = list(self.model.variables)
         if self.include_optimizer and getattr(self.model, "optimizer", None) is not None:
             vs += [v for v in self.model.optimizer.variables if v is not getattr(self.model.optimizer, "_iterations", None)]
-        _average_variables(vs, "ModelAveragingCallback")
+        average_variables(vs, "ModelAveragingCallback")
         self.averages += 1
         self._since = 0
 

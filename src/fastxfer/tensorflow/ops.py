@@ -1,0 +1,238 @@
+"""Collectives on tf.Tensors, eager and inside tf.function: Horovod's op and compression names,
+allreduce, grouped_allreduce, broadcast, allgather, oob_allreduce.
+
+Inside a tf.function each collective is a ``tf.numpy_function`` pair: a *submit* op that hands the
+tensor to fastxfer's engine as soon as TensorFlow has produced it, and a *wait* op that returns
+the result. The submits of one traced function are chained with control dependencies in trace
+order (``chained``), so every rank issues them in the same order (fastxfer's engine requires
+that; TensorFlow's executor would otherwise run independent ops in any order), while the engine
+reduces early gradients during the rest of the backward pass. These ops are not XLA-compilable:
+a function compiled with jit_compile=True must keep them outside the compiled part.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import numpy as np
+import tensorflow as tf
+
+import fastxfer as fx
+from fastxfer import _validate
+
+Average, Sum, Min, Max = "average", "sum", "min", "max"
+
+
+class Compression:
+    """Horovod's names for the wire formats of float32 gradients."""
+
+    none = "none"
+    fp16 = "fp16"
+    bf16 = "bf16"
+
+
+_handles: dict[int, object] = {}
+submitted = 0  # collectives handed to the engine by this module so far (observability, tests)
+_handle_ids = itertools.count(1)
+_lock = threading.Lock()
+_trace_names = itertools.count()
+_CHAIN = "_fastxfer_last_submit"  # graph attribute: the latest submit op of that graph
+
+
+def check_op(op, average=None) -> str:
+    """The reduction op name (Average, Sum, Min or Max); ``average`` is Horovod's older keyword
+    (True: Average, False: Sum) and wins when given."""
+    if average is not None:
+        op = Average if average else Sum
+    return _validate.op(op)
+
+
+def _op_name(kind: str, name: str | None) -> str:
+    """A name for an unnamed collective. In a traced function: a counter kept on that graph, so the
+    names are fixed at trace time and identical on every rank that traces the same function, even
+    if some rank traced other functions (or this one again) in between; eagerly: a process-wide
+    counter, the same sequence on every rank that makes the same calls."""
+    if name is not None:
+        return name
+    if tf.executing_eagerly():
+        return f"tf.{kind}.{next(_trace_names)}"
+    graph = tf.compat.v1.get_default_graph()
+    n = getattr(graph, "_fastxfer_names", 0)
+    setattr(graph, "_fastxfer_names", n + 1)
+    return f"tf.graph.{kind}.{n}"
+
+
+def _aligned_empty(shape, dtype) -> np.ndarray:
+    """An uninitialised array whose data starts on a 64-byte boundary: TensorFlow adopts such a
+    buffer as a tensor without copying it (numpy's own large allocations are 16-byte aligned)."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(n + 64, np.uint8)
+    off = (-raw.ctypes.data) % 64
+    return raw[off:off + n].view(dtype).reshape(shape)
+
+
+def _submit(kind, x: np.ndarray, name: str, op: str, compression: str, prescale: float, postscale: float,
+            root: int, bucket_cap_mb=None) -> int:
+    """Body of a submit op: hand `x` to the engine, return the id its wait op looks up."""
+    if kind == "allreduce":
+        h = fx.allreduce_async(x, op=op, compression=compression, name=name, prescale=prescale, postscale=postscale,
+                               out=_aligned_empty(x.shape, x.dtype), bucket_cap_mb=bucket_cap_mb)
+    elif kind == "broadcast":
+        h = None
+        result = fx.broadcast(x, root=root, name=name)
+    else:
+        h = None
+        result = fx.allgather(x, name=name)
+    global submitted
+    with _lock:
+        hid = next(_handle_ids)
+        _handles[hid] = h if h is not None else result
+        submitted += 1
+    return hid
+
+
+def _wait(hid: int) -> np.ndarray:
+    with _lock:
+        h = _handles.pop(int(hid))
+    return h.wait() if isinstance(h, fx.Handle) else h
+
+
+def _wait_many(*hids):
+    return [_wait(h) for h in hids]
+
+
+def in_xla_context() -> bool:
+    """True while tracing inside a function compiled with XLA (``jit_compile=True``)."""
+    from tensorflow.python.ops import control_flow_util
+
+    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+
+
+def _graph_checks(what: str):
+    """In graph mode: refuse XLA (a clear error instead of XLA's "unsupported op PyFunc") and
+    return the graph whose collectives are chained into one fixed order."""
+    if in_xla_context():
+        raise fx.FastxferError(
+            f"{what}: fastxfer's collectives run on the host and cannot be compiled by XLA, and this function is "
+            "being compiled with jit_compile=True. Compile only the computation (a jit_compile=True function for "
+            "the forward/backward pass, called from a plain tf.function that reduces the gradients), or use "
+            "jit_compile=False. (model.fit with fastxfer.keras.DistributedOptimizer turns XLA off for its "
+            "training step by itself.)")
+    return tf.compat.v1.get_default_graph()
+
+
+def chained(graph, make_op):
+    """Run `make_op()` under a control dependency on the graph's previous collective submit, so
+    every collective of a traced function is issued in trace order on every rank (TensorFlow's
+    executor would otherwise start independent ops in any order, and ranks must agree)."""
+    last = getattr(graph, _CHAIN, None)
+    with tf.control_dependencies([last] if last is not None else []):
+        op = make_op()
+    setattr(graph, _CHAIN, op)
+    return op
+
+
+def allreduce(tensor, average=None, op=Average, compression=Compression.none, name=None, prescale_factor=1.0,
+              postscale_factor=1.0):
+    """Reduce a tensor across all ranks (eager or inside tf.function); returns a tensor of the
+    same shape and dtype."""
+    op = check_op(op, average)
+    compression = _validate.compression(compression)
+    t = tf.convert_to_tensor(tensor)
+    name = _op_name("allreduce", name)
+    if tf.executing_eagerly():
+        out = fx.allreduce(t.numpy(), op=op, compression=compression, name=name, prescale=prescale_factor,
+                           postscale=postscale_factor)
+        return tf.convert_to_tensor(out)
+    return wait_grouped(submit_grouped([t], [name], op, compression, prescale_factor, postscale_factor), [t])[0]
+
+
+def submit_grouped(tensors, names, op, compression, prescale, postscale, order=None, bucket_cap_mb=None) -> list:
+    """Graph mode: one submit op per tensor, in `order` (default: list order), each running as
+    soon as its tensor exists but after the graph's previous submit. Returns the submit ops'
+    outputs (handle ids) by tensor index, for ``wait_grouped``."""
+    graph = _graph_checks("allreduce")
+    order = range(len(tensors)) if order is None else order
+    handles = [None] * len(tensors)
+    for i in order:
+        t, name = tensors[i], names[i]
+        handles[i] = chained(graph, lambda t=t, name=name: tf.numpy_function(
+            lambda x, name=name: np.int64(_submit("allreduce", x, name, op, compression, prescale, postscale, 0,
+                                                  bucket_cap_mb)),
+            [t], tf.int64, stateful=True, name="fastxfer_submit"))
+    return handles
+
+
+def wait_grouped(handles, tensors) -> list:
+    """Graph mode: one op that waits for every handle of ``submit_grouped``; returns the results,
+    each with the shape and dtype of its input tensor."""
+    outs = tf.numpy_function(_wait_many, handles, [t.dtype for t in tensors], stateful=True, name="fastxfer_wait")
+    outs = [outs] if not isinstance(outs, (list, tuple)) else list(outs)
+    for r, t in zip(outs, tensors):
+        r.set_shape(t.shape)
+    return outs
+
+
+def grouped_allreduce(tensors, op=Average, compression=Compression.none, name=None, prescale_factor=1.0,
+                      postscale_factor=1.0, names=None, order=None, bucket_cap_mb=None):
+    """Reduce a list of tensors, fused by the engine. Submitted in list order, or in `order` (a
+    permutation of the indexes, e.g. reversed for gradients, which a backward pass produces last
+    layer first); `names` names each tensor (identical on every rank)."""
+    op = check_op(op)
+    compression = _validate.compression(compression)
+    ts = [tf.convert_to_tensor(t) for t in tensors]
+    if names is None:
+        names = [_op_name("allreduce", None if name is None else f"{name}.{i}") for i in range(len(ts))]
+    elif len(names) != len(ts):
+        raise ValueError(f"{len(names)} names for {len(ts)} tensors")
+    order = list(range(len(ts))) if order is None else list(order)
+    if sorted(order) != list(range(len(ts))):
+        raise ValueError("order must be a permutation of range(len(tensors))")
+    if tf.executing_eagerly():
+        hs = {i: fx.allreduce_async(ts[i].numpy(), op=op, compression=compression, name=names[i],
+                                    prescale=prescale_factor, postscale=postscale_factor,
+                                    bucket_cap_mb=bucket_cap_mb) for i in order}
+        return [tf.convert_to_tensor(hs[i].wait()) for i in range(len(ts))]
+    handles = submit_grouped(ts, names, op, compression, prescale_factor, postscale_factor, order, bucket_cap_mb)
+    return wait_grouped(handles, ts)
+
+
+def _single(kind, tensor, name, root=0):
+    t = tf.convert_to_tensor(tensor)
+    name = _op_name(kind, name)
+    if tf.executing_eagerly():
+        x = t.numpy()
+        out = fx.broadcast(x, root=root, name=name) if kind == "broadcast" else fx.allgather(x, name=name)
+        return tf.convert_to_tensor(out)
+    graph = _graph_checks(kind)
+    h = chained(graph, lambda: tf.numpy_function(
+        lambda x: np.int64(_submit(kind, x, name, "sum", "none", 1.0, 1.0, root)), [t], tf.int64, stateful=True,
+        name=f"fastxfer_{kind}"))
+    r = tf.numpy_function(_wait, [h], t.dtype, stateful=True, name="fastxfer_wait")
+    if kind == "broadcast":
+        r.set_shape(t.shape)
+    else:
+        r.set_shape(tf.TensorShape([None]).concatenate(t.shape[1:]))
+    return r
+
+
+def broadcast(tensor, root_rank=0, name=None):
+    """Every rank gets root_rank's tensor."""
+    return _single("broadcast", tensor, name, root_rank)
+
+
+def allgather(tensor, name=None):
+    """Concatenation of every rank's tensor along the first dimension (sizes may differ)."""
+    return _single("allgather", tensor, name)
+
+
+def oob_allreduce(value, op=Average, name=None):
+    """Reduce a small value (a metric, a flag) on the engine's out-of-band lane, which never waits
+    behind gradient buckets. Eager only; returns a tensor of the same shape and dtype."""
+    if not tf.executing_eagerly():
+        raise fx.FastxferError("oob_allreduce runs eagerly (it blocks until every rank has called it); inside a "
+                               "tf.function use allreduce")
+    x = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
+    return tf.convert_to_tensor(fx.oob_allreduce(x, op=op, name=name))
