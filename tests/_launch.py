@@ -1,11 +1,27 @@
-"""Helpers to run workers through the real launcher."""
+"""The one way tests start programs: `launch` runs N ranks through the real launcher (`fastxfer run`),
+`run_command` any other command, both always under a timeout; `assert_ok` checks a job's result."""
 
+import importlib.util
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 
-WORKERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers")
+import pytest
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)  # the checkout
+WORKERS = os.path.join(TESTS, "workers")
+TIMEOUT = 300  # seconds; generous for 2 shared cores, but a hang still fails instead of blocking CI
+
+# small window and bucket cap, so modest sizes already stream through several chunks/buckets
+SMALL_BUFFERS = {
+    "FASTXFER_SHM_WINDOW_MB": "0.25",
+    "FASTXFER_BUCKET_CAP_MB": "0.5",
+    "FASTXFER_STREAM_MIN_MB": "0.001",  # exercise the streaming-store paths too
+}
 
 
 def fastxfer_cmd():
@@ -13,17 +29,116 @@ def fastxfer_cmd():
     return [exe] if exe else [sys.executable, "-m", "fastxfer.cli"]
 
 
-def launch(np_, worker, *args, env=None, timeout=300, launcher_args=(), cwd=None):
-    """`fastxfer run -np N -- python workers/<worker> args...`; returns the CompletedProcess."""
-    full_env = dict(os.environ)
-    # small window and bucket cap, so modest sizes already stream through several chunks/buckets
-    full_env.setdefault("FASTXFER_SHM_WINDOW_MB", "0.25")
-    full_env.setdefault("FASTXFER_BUCKET_CAP_MB", "0.5")
-    full_env.setdefault("FASTXFER_STREAM_MIN_MB", "0.001")  # exercise the streaming-store paths too
-    full_env.update(env or {})
-    cmd = fastxfer_cmd() + ["run", "-np", str(np_), *launcher_args, "--", sys.executable,
-                            os.path.join(WORKERS, worker), *map(str, args)]
-    return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout, cwd=cwd or "/")
+def start(cmd, *, env=None, cwd="/", stdout=subprocess.PIPE, stderr=subprocess.PIPE):
+    """Starts `cmd` in a session of its own (so a timeout can stop everything it started); see `finish`."""
+    return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,
+                            text=True, start_new_session=True)
+
+
+def finish(p, *, timeout=TIMEOUT):
+    """Waits for a `start`ed command and returns its CompletedProcess; fails the test on timeout.
+
+    On timeout SIGTERM comes first, so a `fastxfer run` launcher can stop its ranks (they have sessions
+    of their own), then SIGKILL."""
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _stop(p)
+        out, err = p.communicate()
+        pytest.fail(f"timed out after {timeout} s: {' '.join(map(str, p.args))}\n{_tail(out, err)}", pytrace=False)
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def run_command(cmd, *, timeout=TIMEOUT, env=None, cwd="/", **kw):
+    """Runs `cmd` to the end and returns its CompletedProcess (text output); fails the test on timeout."""
+    return finish(start(cmd, env=env, cwd=cwd, **kw), timeout=timeout)
+
+
+def _stop(p):
+    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            p.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def launch_cmd(np_, worker, *args, launcher_args=()):
+    """`fastxfer run -np N [launcher_args] -- python <worker> args...` as a list.
+
+    `worker` is a file in tests/workers/, an absolute path, or "-c" with the code as first arg."""
+    program = worker if worker == "-c" or os.path.isabs(worker) else os.path.join(WORKERS, worker)
+    return fastxfer_cmd() + ["run", "-np", str(np_), *map(str, launcher_args), "--", sys.executable, program,
+                             *map(str, args)]
+
+
+def launch_env(env=None):
+    """This environment, SMALL_BUFFERS unless already set, then `env` on top."""
+    full = dict(os.environ)
+    for k, v in SMALL_BUFFERS.items():
+        full.setdefault(k, v)
+    full.update(env or {})
+    return full
+
+
+def launch(np_, worker, *args, env=None, timeout=TIMEOUT, launcher_args=(), cwd="/"):
+    """Runs `launch_cmd(...)` to the end under a timeout; returns the CompletedProcess."""
+    return run_command(launch_cmd(np_, worker, *args, launcher_args=launcher_args), timeout=timeout,
+                       env=launch_env(env), cwd=cwd)
+
+
+MPIRUN = shutil.which("mpirun")
+MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}  # containers often run as root
+needs_mpi = pytest.mark.skipif(MPIRUN is None or importlib.util.find_spec("mpi4py") is None,
+                               reason="needs mpirun and mpi4py (pip install 'fastxfer[mpi]')")
+
+
+def mpi_launch(np_, worker, *args, per_host=None, env=None, timeout=TIMEOUT):
+    """`mpirun -np N python <worker> args...`, the other way to start ranks; with per_host=k, ranks get
+    host ids by rank // k (hosts emulated on this machine through FASTXFER_HOST_ID)."""
+    program = worker if os.path.isabs(worker) else os.path.join(WORKERS, worker)
+    cmd = [MPIRUN, "-np", str(np_), "--oversubscribe", "--bind-to", "none"]
+    if per_host:
+        inner = f"FASTXFER_HOST_ID=h$((OMPI_COMM_WORLD_RANK / {per_host})) exec {sys.executable} {program} "
+        cmd += ["sh", "-c", inner + " ".join(map(str, args))]
+    else:
+        cmd += [sys.executable, program, *map(str, args)]
+    return run_command(cmd, timeout=timeout, env=launch_env({**MPI_ENV, **(env or {})}))
+
+
+_PREFIX = re.compile(r"^\[\s*(\d+)\] ")  # the launcher's rank prefix; absent under plain mpirun
+_RANK = re.compile(r"\brank[ =](\d+)\b")
+
+
+def ok_lines(output, tag):
+    """(rank, line) for every line `OK <tag>...`; the rank from the launcher's prefix, else from 'rank N'."""
+    found = []
+    for line in output.splitlines():
+        m = _PREFIX.match(line)
+        body = line[m.end():] if m else line
+        if re.match(rf"OK {re.escape(tag)}(\s|:|$)", body):
+            r = m or _RANK.search(body)
+            found.append((int(r.group(1)) if r else None, line))
+    return found
+
+
+def _tail(out, err, n=4000):
+    return f"--- stdout (tail) ---\n{(out or '')[-n:]}\n--- stderr (tail) ---\n{(err or '')[-n:]}"
+
+
+def assert_ok(r, np_, tag):
+    """The job exited 0 and each of ranks 0..np_-1 printed exactly one `OK <tag>` line; returns those lines
+    in rank order."""
+    assert r.returncode == 0, f"exit code {r.returncode}\n{_tail(r.stdout, r.stderr)}"
+    found = sorted(ok_lines(r.stdout, tag), key=lambda x: (x[0] is None, x[0] or 0))
+    ranks = [k for k, _ in found]
+    assert ranks == list(range(np_)), f"'OK {tag}' lines from ranks {ranks}, want one from each of " \
+                                      f"0..{np_ - 1}\n{_tail(r.stdout, r.stderr)}"
+    return [line for _, line in found]
 
 
 def fastxfer_segments():

@@ -1,3 +1,6 @@
+"""Fixtures shared by tests/unit, tests/multiproc and tests/faults. Helpers that start programs
+(the launcher, mpirun, any command under a timeout) live next to this file, in _launch.py."""
+
 import numpy as np
 import pytest
 
@@ -19,3 +22,72 @@ def simd(request):
 @pytest.fixture
 def rng():
     return np.random.default_rng(20261202)
+
+
+# ---- JPEGs and packs for the data tests ------------------------------------------------------
+
+def _jpeg_pixels(h, w, rng, content, color):
+    if color is not None:  # one flat colour with a little texture
+        img = np.empty((h, w, 3), np.uint8)
+        img[:] = color
+        img += rng.integers(0, 3, img.shape, dtype=np.uint8)
+        return img
+    if content == "noise":  # uniform noise: the worst case for the entropy coder
+        return rng.integers(0, 255, (h, w, 3), dtype=np.uint8)
+    if content == "photo":  # smooth colour with texture: compresses like a photograph
+        seed = int(rng.integers(0, 7))
+        y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+        img = np.stack([128 + 100 * np.sin(x / (7 + seed) + y / 23), 128 + 90 * np.cos(y / (5 + seed)),
+                        (x * 3 + y * 2 + seed * 40) % 256], -1)
+        img += rng.normal(0, 12, img.shape)
+        return np.clip(img, 0, 255).astype(np.uint8)
+    raise ValueError(f"content must be 'noise' or 'photo', not {content!r}")
+
+
+def _make_jpeg(h, w, seed=0, content="noise", kind="444", quality=90, color=None) -> bytes:
+    """JPEG bytes of an h x w image, encoded by Pillow (libjpeg-turbo).
+
+    seed: an int, or a numpy Generator to draw from (a test making many images from one stream);
+    content: "noise" or "photo", or color=(r, g, b) for a flat colour with a little texture;
+    kind: "444", "422", "420" (chroma subsampling), "progressive" (4:2:0) or "gray"."""
+    import io
+
+    from PIL import Image
+
+    img = _jpeg_pixels(h, w, np.random.default_rng(seed), content, color)
+    buf = io.BytesIO()
+    if kind == "gray":
+        Image.fromarray(img[..., 0]).save(buf, "JPEG", quality=quality)
+    else:
+        sub = {"444": 0, "422": 1, "420": 2, "progressive": 2}[kind]
+        Image.fromarray(img).save(buf, "JPEG", quality=quality, subsampling=sub, progressive=kind == "progressive")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="session")
+def make_jpeg():
+    """The data tests' one JPEG factory: make_jpeg(h, w, seed=0, content="noise", kind="444",
+    quality=90, color=None) -> bytes (see _make_jpeg)."""
+    pytest.importorskip("PIL.Image")
+    return _make_jpeg
+
+
+def _corrupt_record(path, record: int, at: int = 50) -> None:
+    """Flips every bit of one byte, `at` bytes into `record` of the pack at `path`: that record's
+    checksum no longer matches; the index and every other record stay intact."""
+    from fastxfer.data import PackedDataset
+
+    with PackedDataset(str(path), verify=False) as ds:
+        assert at < int(ds.index[record]["size"]), f"record {record} is shorter than {at + 1} bytes"
+        off = int(ds.index[record]["offset"]) + at
+    with open(path, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+@pytest.fixture(scope="session")
+def corrupt_record():
+    """corrupt_record(path, record, at=50): damages one record of a pack (see _corrupt_record)."""
+    return _corrupt_record

@@ -3,14 +3,15 @@
 
 import importlib.util
 import json
+import math
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _launch import ROOT, run_command
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None
                                 or importlib.util.find_spec("mlxtend") is None,
                                 reason="TensorFlow and mlxtend are needed")
@@ -18,8 +19,7 @@ ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
 
 
 def _run(script, *args, timeout=900):
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), *args], capture_output=True,
-                       text=True, timeout=timeout, cwd="/", env=ENV)
+    r = run_command([sys.executable, os.path.join(ROOT, "examples", script), *args], timeout=timeout, env=ENV)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     return r.stdout
 
@@ -28,8 +28,14 @@ def test_transfer_learning_main_job_short():
     out = _run("transfer_mnist.py", "--limit", "300", "--pretrain-epochs", "1", "--epochs", "3", "--patience", "1")
     results = [json.loads(m) for m in re.findall(r"RESULT (\{.*\})", out)]
     assert [r["workers"] for r in results] == [1, 2]
+    # this short run stays near chance (19-22% on 5 digits, loss about ln 5; the same before the redesign), so
+    # no accuracy target: the accuracy must be a count over all 300 validation images (--limit caps that split
+    # too) on every worker count, and training must not diverge (loss under twice that of a uniform guess)
     for r in results:
-        assert r["identical_weights"] and 0.0 <= r["accuracy"] <= 1.0 and 1 <= r["epochs"] <= 3
+        assert r["identical_weights"] and 1 <= r["epochs"] <= 3
+        correct = r["accuracy"] * 300
+        assert abs(correct - round(correct)) < 1e-3, r
+        assert r["loss"] < 2 * math.log(5), r
         assert r["images_per_s"] > 0
     assert re.search(r"2 workers \(float32\): [\d.]+% validation accuracy in [\d.]+ s, [\d.]+x the speed of one worker",
                      out), out[-2000:]
@@ -51,24 +57,13 @@ def test_batch_size_study_short(tmp_path):
                     reason="the packed JPEG pipeline needs simplejpeg and scikit-image")
 def test_efficientnet_on_packed_jpegs_short(tmp_path):
     out_json = tmp_path / "r.json"
-    _run("efficientnet_photos.py", "--train-images", "64", "--val-images", "32", "--epochs", "1",
-         "--image-size", "32", "--json", str(out_json))
+    out = _run("efficientnet_photos.py", "--train-images", "64", "--val-images", "32", "--epochs", "1",
+               "--image-size", "32", "--json", str(out_json))
     r = json.loads(out_json.read_text())
-    assert r["workers"] == 2 and r["sync_bn_layers"] == 49 and 0.0 <= r["val_accuracy"] <= 1.0
+    assert r["workers"] == 2 and r["sync_bn_layers"] == 49
+    # one epoch from scratch on 64 crops stays at chance (12.5%), so no accuracy target: each of the 32
+    # validation crops is evaluated once, by one of the two ranks, and the accuracy counts them
+    assert "% on 32 crops" in out, out[-2000:]
+    correct = r["val_accuracy"] * 32
+    assert abs(correct - round(correct)) < 1e-9, r
     assert r["images_per_s"] > 0
-
-
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")
-def test_transfer_learning_from_a_resnet50_weights_file(tmp_path):
-    """The --weights path: a Keras ResNet-50 (include_top=False) weights file from disk."""
-    code = (f"import keras; keras.applications.ResNet50(include_top=False, weights=None, input_shape=(32, 32, 3), "
-            f"pooling='avg').save_weights({str(tmp_path / 'r50.weights.h5')!r})")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=ENV, cwd="/")
-    assert r.returncode == 0, r.stderr[-2000:]
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "transfer_mnist.py"), "--worker",
-                          "--weights", str(tmp_path / "r50.weights.h5"), "--limit", "64", "--epochs", "1",
-                          "--json", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=900,
-                         env=ENV, cwd="/")
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    res = json.loads((tmp_path / "r.json").read_text())
-    assert res["workers"] == 1 and res["epochs"] == 1 and res["pretrain_s"] < 1.0  # no pretraining with weights

@@ -7,21 +7,19 @@ import re
 
 import pytest
 
-from _launch import launch
+from _launch import assert_ok, launch
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="TensorFlow not installed")
 W = "tf_worker.py"
 
 
 def test_tensor_collectives_eager_and_graph():
-    r = launch(2, W, "collectives", env={"TF_CPP_MIN_LOG_LEVEL": "3"}, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.count("OK tf collectives") == 2
+    assert_ok(launch(2, W, "collectives", env={"TF_CPP_MIN_LOG_LEVEL": "3"}, timeout=600), 2, "tf collectives")
 
 
 @pytest.mark.parametrize("compression", ["none", "bf16"])
 def test_distributed_gradient_tape_matches_single_process(compression):
-    r = launch(2, W, "tape", compression, env={"TF_CPP_MIN_LOG_LEVEL": "3"}, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    errs = re.findall(rf"OK tape {compression} rank \d err (\S+)", r.stdout)
-    assert len(errs) == 2 and errs[0] == errs[1]  # the same weights on both ranks
+    lines = assert_ok(launch(2, W, "tape", compression, env={"TF_CPP_MIN_LOG_LEVEL": "3"}, timeout=600), 2,
+                      f"tape {compression}")
+    errs = [re.search(r" err (\S+)", line).group(1) for line in lines]
+    assert errs[0] == errs[1], lines  # the same weights on both ranks

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _launch import ROOT as REPO
 cmake = shutil.which("cmake")
 
 

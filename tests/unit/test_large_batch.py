@@ -1,6 +1,5 @@
-"""The large-batch toolkit: LARS and RMSprop->SGD against float64 reference computations of
-their formulas, the schedules' values, scale_lr, serialization; model averaging and early
-stopping across 2 ranks through the launcher."""
+"""The large-batch toolkit in one process: LARS and RMSprop->SGD against float64 reference
+computations of their formulas, the schedules' values, scale_lr, serialization."""
 
 import importlib.util
 import math
@@ -8,10 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from _launch import launch
-
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="TensorFlow not installed")
-ENV = {"TF_CPP_MIN_LOG_LEVEL": "3"}
 
 
 @pytest.fixture(scope="module")
@@ -139,14 +135,3 @@ def test_schedules_values(keras):
         S.MultiStep(0.1, milestones=[5, 2])
     assert math.isclose(float(S.WarmupSchedule(0.3, 0)(7)), 0.3, rel_tol=1e-6)
 
-
-def test_model_averaging_callback():
-    r = launch(2, "keras_worker.py", "averaging", env=ENV, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.count("OK averaging") == 2
-
-
-def test_early_stopping_stops_all_ranks_together():
-    r = launch(2, "keras_worker.py", "earlystop", env=ENV, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.count("OK earlystop") == 2 and r.stdout.count("epochs 2") == 2

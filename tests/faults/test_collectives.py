@@ -1,0 +1,77 @@
+"""The engine under faults, through `fastxfer run`: ranks that disagree, peers that die or fall
+silent, a shutdown while a peer still reduces, and shared-memory segment ownership."""
+
+import os
+import re
+import stat
+import time
+
+import pytest
+
+from _launch import fastxfer_segments, finish, launch, launch_cmd, launch_env, start
+
+W = "collectives_worker.py"
+
+
+@pytest.mark.parametrize("kind", ["name", "shape", "dtype", "op", "order", "count", "compression", "oob"])
+def test_mismatch_raises_on_every_rank(kind):
+    r = launch(2, W, "mismatch", kind)
+    out = r.stdout
+    assert "NO ERROR" not in out
+    assert out.count("] MISMATCH rank") == 2 and out.count("STILL-MISMATCH") == 2, out + r.stderr
+    # both ranks report the same disagreement
+    msgs = sorted(set(re.sub(r"^\[\d\] MISMATCH rank \d: ", "", ln) for ln in out.splitlines()
+                      if " MISMATCH rank" in ln))
+    assert len(msgs) == 1, msgs
+    assert r.returncode == 3
+
+
+@pytest.mark.parametrize("how,n,compression", [("kill", 1000, "none"), ("kill", 3_000_000, "none"),
+                                               ("exit", 3_000_000, "bf16"), ("kill", 300_001, "fp16")])
+def test_dead_peer_fails_the_others_fast(how, n, compression):
+    before = fastxfer_segments()
+    r = launch(3, W, "die", how, n, compression)
+    survivors = re.findall(r"PEER-FAILURE rank (\d) after ([\d.]+)s: (.*)", r.stdout)
+    assert sorted(s[0] for s in survivors) == ["0", "2"], r.stdout + r.stderr
+    assert all(float(s[1]) < 10 for s in survivors)
+    assert all("rank 1" in s[2] for s in survivors)
+    # the launcher names the rank that failed first and exits with its code
+    cause = "killed by SIGKILL" if how == "kill" else "exit code 17"
+    assert f"rank 1 failed first ({cause})" in r.stderr
+    assert r.returncode == (137 if how == "kill" else 17)
+    assert fastxfer_segments() == before
+
+
+def test_silent_peer_times_out():
+    r = launch(2, W, "hang", env={"FASTXFER_TIMEOUT": "2"}, launcher_args=["--grace", "30"])
+    m = re.search(r"TIMEOUT rank 0 after ([\d.]+)s: rank 1 did not answer within 2 s", r.stdout)
+    assert m, r.stdout + r.stderr
+    assert float(m.group(1)) < 10
+    assert "rank 0 failed first (exit code 6)" in r.stderr
+
+
+def test_shutdown_while_a_peer_still_reduces_is_a_mismatch_not_a_hang():
+    r = launch(2, W, "shutdown_early")
+    assert "SHUTDOWN-ERROR rank 0: MismatchError" in r.stdout, r.stdout + r.stderr
+    assert "ERROR rank 1: MismatchError" in r.stdout
+    assert r.returncode == 4
+
+
+def test_segment_is_owner_only_and_gone_once_everyone_attached():
+    before = set(fastxfer_segments())
+    p = start(launch_cmd(2, W, "slow_attach"), env=launch_env())
+    seen = mode = None
+    deadline = time.monotonic() + 30
+    while seen is None and time.monotonic() < deadline and p.poll() is None:
+        new = [n for n in fastxfer_segments() if n not in before]
+        if new:
+            seen = new[0]
+            mode = stat.S_IMODE(os.stat(f"/dev/shm/{seen}").st_mode)
+        time.sleep(0.02)
+    r = finish(p, timeout=120)  # before any assert, so a failure never leaves the job running
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert seen is not None, "the segment was never visible while rank 1 was late"
+    # unguessable: the launcher's pid plus 128 random bits
+    assert re.fullmatch(r"fastxfer-\d+-[0-9a-f]{32}", seen), seen
+    assert mode == 0o600
+    assert set(fastxfer_segments()) == before

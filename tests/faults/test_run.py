@@ -1,0 +1,49 @@
+"""The `fastxfer run` launcher when ranks fail: exit codes, stopping the rest, naming the culprit,
+and sweeping the shared-memory segments of launchers that died."""
+
+import os
+import subprocess
+import sys
+import time
+
+from _launch import launch
+
+RANK = "import os; r = int(os.environ['FASTXFER_RANK'])"
+
+
+def test_failing_rank_stops_the_rest_and_is_named():
+    t0 = time.monotonic()
+    r = launch(3, "-c", RANK + "; import sys, time\nif r == 1: sys.exit(7)\ntime.sleep(120)",
+               launcher_args=["--grace", "1"], timeout=120)
+    took = time.monotonic() - t0
+    assert took < 60
+    assert r.returncode == 7
+    assert "rank 1 failed first (exit code 7)" in r.stderr
+    assert "rank 0: killed by SIGTERM" in r.stderr and "rank 2: killed by SIGTERM" in r.stderr
+
+
+def test_signal_death_exit_code():
+    r = launch(2, "-c", RANK + "; import signal\nif r == 0: os.kill(os.getpid(), signal.SIGKILL)", timeout=120)
+    assert r.returncode == 128 + 9
+    assert "rank 0 failed first (killed by SIGKILL)" in r.stderr
+
+
+def test_stale_segments_of_dead_launchers_are_swept(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=60)
+    stale = f"/dev/shm/fastxfer-{dead.pid}-{'ab' * 16}"
+    live = f"/dev/shm/fastxfer-{os.getpid()}-{'cd' * 16}"  # a launcher that is still running: ours
+    for p in (stale, live):
+        with open(p, "wb") as f:
+            f.write(b"\xff" * 4096)  # garbage: must never be mistaken for a job's segment
+    try:
+        r = launch(2, "-c", "import fastxfer as fx, numpy as np; fx.init(); "
+                            "assert fx.allreduce(np.ones(4), op='sum').tolist() == [2.0] * 4; fx.shutdown()",
+                   timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert not os.path.exists(stale)
+        assert os.path.exists(live)
+    finally:
+        for p in (stale, live):
+            if os.path.exists(p):
+                os.unlink(p)

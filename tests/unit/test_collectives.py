@@ -1,0 +1,97 @@
+"""The framework-free API in one process, in this interpreter: calls before init, one-rank
+semantics, argument errors, engine thread pinning, init/shutdown cycles."""
+
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fastxfer as fx
+
+
+@pytest.fixture
+def single():
+    fx.init()
+    yield
+    fx.shutdown()
+
+
+def test_calls_before_init_raise():
+    assert not fx.is_initialized()
+    for f in (fx.rank, fx.size, fx.local_rank, fx.local_size, fx.barrier):
+        with pytest.raises(fx.FastxferError, match=r"call fastxfer.init\(\) first"):
+            f()
+    with pytest.raises(fx.FastxferError, match="init"):
+        fx.allreduce(np.ones(3, np.float32))
+
+
+def test_single_process_semantics(single):
+    assert (fx.rank(), fx.size(), fx.local_rank(), fx.local_size()) == (0, 1, 0, 1)
+    x = np.arange(10, dtype=np.float32) / 3
+    np.testing.assert_array_equal(fx.allreduce(x), x)
+    # compression rounds even on one rank: the result is what the wire carried
+    np.testing.assert_array_equal(fx.allreduce(x, compression="bf16"),
+                                  x.astype(ml_dtypes.bfloat16).astype(np.float32))
+    np.testing.assert_array_equal(fx.allgather(np.ones((2, 2))), np.ones((2, 2)))
+    assert fx.engine_stats()["chunks"] >= 2
+
+
+def test_bad_arguments(single):
+    with pytest.raises(TypeError, match="dtype complex64"):
+        fx.allreduce(np.ones(3, np.complex64))
+    with pytest.raises(ValueError, match="applies to float32 arrays; this one is float64"):
+        fx.allreduce(np.ones(3), compression="bf16")
+    with pytest.raises(ValueError, match="compression must be"):
+        fx.allreduce(np.ones(3, np.float32), compression="zip")
+    with pytest.raises(TypeError, match="op='average' needs a floating dtype"):
+        fx.allreduce(np.ones(3, np.int32))
+    with pytest.raises(ValueError, match="op must be one of"):
+        fx.allreduce(np.ones(3), op="prod")
+    with pytest.raises(ValueError, match=r"root must be a rank in 0..0"):
+        fx.broadcast(np.ones(3), root=1)
+    with pytest.raises(ValueError, match="at least one dimension"):
+        fx.allgather(np.float32(1.0))
+    with pytest.raises(ValueError, match="at most 8 dimensions"):
+        fx.allgather(np.ones((1,) * 9))
+    with pytest.raises(ValueError, match=r"out must be float32\[3\]"):
+        fx.allreduce(np.ones(3, np.float32), out=np.empty(4, np.float32))
+    with pytest.raises(ValueError, match="oob_allreduce is for small arrays"):
+        fx.oob_allreduce(np.ones(1 << 20))
+    with pytest.raises(TypeError, match="name must be a str"):
+        fx.allreduce(np.ones(3), name=3)
+    # errors in arguments do not break the group
+    np.testing.assert_array_equal(fx.allreduce(np.ones(3), op="sum"), np.ones(3))
+
+
+def test_engine_thread_is_pinned_to_the_given_cpus():
+    def read(path):
+        with open(path) as f:
+            return f.read()
+
+    cpu = sorted(os.sched_getaffinity(0))[-1]
+    fx.init(engine_cpus=[cpu])
+    try:
+        tasks = f"/proc/{os.getpid()}/task"
+        engine = [t for t in os.listdir(tasks) if read(f"{tasks}/{t}/comm").strip() == "fastxfer-engine"]
+        assert len(engine) == 1
+        status = read(f"{tasks}/{engine[0]}/status")
+        allowed = [ln.split(":")[1].strip() for ln in status.splitlines() if ln.startswith("Cpus_allowed_list")]
+        assert allowed == [str(cpu)]
+        assert fx.allreduce(np.ones(3), op="sum").tolist() == [1.0] * 3
+    finally:
+        fx.shutdown()
+    with pytest.raises(ValueError, match="not all in this process's CPU set"):
+        fx.init(engine_cpus=[10_000])
+    with pytest.raises(fx.FastxferError, match="bad CPU list"):
+        fx.init(engine_cpus="0-x")
+
+
+def test_init_twice_is_harmless_and_shutdown_then_reinit(single):
+    fx.init()
+    assert fx.size() == 1
+    fx.shutdown()
+    with pytest.raises(fx.FastxferError):
+        fx.rank()
+    fx.init()
+    assert fx.allreduce(np.ones(2), op="sum").tolist() == [1.0, 1.0]
