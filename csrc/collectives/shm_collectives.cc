@@ -13,8 +13,7 @@ namespace {
 // (float32 values on a 16-bit wire are the tightest: 32 elements of 4 bytes per rank), so half a
 // window must hold 128 bytes per rank. Checked before the segment is created.
 const ShmConfig& checked(const ShmConfig& cfg) {
-  const size_t page2 = 2 * 4096;  // the segment rounds windows up to whole pages per half
-  const size_t window = (std::max(cfg.window_bytes, page2) + page2 - 1) / page2 * page2;
+  const size_t window = ShmSegment::rounded_window_bytes(cfg.window_bytes);
   if (cfg.size >= 1 && window / 2 < static_cast<size_t>(cfg.size) * 128)
     throw std::invalid_argument("shared-memory window too small for " + std::to_string(cfg.size) +
                                 " ranks: at least " + std::to_string(cfg.size * 256) + " bytes");

@@ -472,16 +472,16 @@ std::vector<std::string> BatchDecoder::decode_batch(const std::vector<JpegImage>
                                                     const float mean[3], const float std_[3], void* out,
                                                     OutType out_type) {
   std::vector<std::string> errors(images.size());
+  if (out_h < 1 || out_w < 1) throw std::invalid_argument("out must not be empty");
+  check_std(std_);
   if (images.empty()) return errors;
   // The boxes against the sizes the index gives (a header that disagrees is a per-image error later).
-  if (out_h < 1 || out_w < 1) throw std::invalid_argument("out must not be empty");
   for (size_t i = 0; i < images.size(); ++i) {
     const JpegImage& im = images[i];
     if (!box_inside(im.height, im.width, im.y, im.x, im.h, im.w))
       throw std::invalid_argument("box of image " + std::to_string(i) + " is not inside its " +
                                   std::to_string(im.height) + "x" + std::to_string(im.width) + " image");
   }
-  check_std(std_);
   const size_t slot_bytes =
       static_cast<size_t>(out_h) * out_w * 3 * (out_type == OutType::kFloat32 ? sizeof(float) : sizeof(uint16_t));
   std::lock_guard<std::mutex> own(pool_->pool.owner());

@@ -65,7 +65,7 @@ class U8Rows : public RowSource {
 };
 
 // Whether the crop [y0, y0+ch) x [x0, x0+cw) is non-empty and lies inside a height x width image
-// (overflow-safe). Every entry point of the data layer checks its boxes with this before any pixel
+// (no arithmetic that can overflow for non-negative sizes). Every entry point of the data layer checks its boxes with this before any pixel
 // is touched.
 bool box_inside(int height, int width, int y0, int x0, int ch, int cw);
 // std::invalid_argument unless every channel's std is non-zero (normalising divides by it).

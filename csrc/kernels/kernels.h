@@ -34,7 +34,7 @@ struct CompressKernels {
 };
 
 // Whether kernels writing float32 results (decompress, scale_f32, sum2_*: the `out`/`dst`
-// float stream) use non-temporal stores on this thread. Set by the transport for large buckets,
+// float stream) use non-temporal stores on this thread. Set by the shared-memory allreduce (collectives/shm_allreduce.cc) for large buckets,
 // whose outputs would only evict the data it still has to read; results are identical either way.
 // Off by default (fx.compress/decompress keep their output in cache). Only the AVX-512 paths
 // stream (whole 64-byte lines); AVX2 and scalar ignore the switch.

@@ -1,4 +1,4 @@
-// The link between hosts: what the hierarchical transport needs from MPI (or any other
+// The link between hosts: what the hierarchical collectives (collectives/hierarchical.cc) need from MPI (or any other
 // inter-host engine). Buffers are this rank's; `n` elements of `dtype`; every call is collective
 // over the ranks named in its comment, and all of them must call it in the same order.
 #pragma once

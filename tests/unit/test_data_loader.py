@@ -207,3 +207,30 @@ def test_tf_and_keras_adapters(build):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "TF (4, 16, 16, 3) float32 (4,)" in r.stdout
     assert "KERAS 10 (4, 16, 16, 3) (4,)" in r.stdout
+
+
+NO_NUMBA = """
+import sys
+sys.modules["numba"] = None  # `import numba` now raises ImportError, as on a machine without it
+import numpy as np
+from fastxfer.data import Loader, pack
+from fastxfer.cli import build_parser
+build_parser()  # the `fastxfer` command builds every subcommand, `data` included
+ld = Loader(sys.argv[1], batch_size=4, image_size=32, decoder="native", rank=0, size=1)
+images, labels = next(iter(ld))
+assert images.shape == (4, 32, 32, 3) and ld.decoder == "native", (images.shape, ld.decoder)
+print("native path ran without numba")
+try:
+    Loader(sys.argv[1], batch_size=4, image_size=32, decoder="numba", rank=0, size=1)
+except RuntimeError as e:
+    print("numba path:", e)
+"""
+
+
+def test_package_cli_and_native_loader_work_without_numba(build):
+    """The main job installs the `examples` extra, which has no Numba: importing fastxfer.data (the
+    `fastxfer` command does) must not need it, and asking for the Numba decoder says what to install."""
+    r = subprocess.run([sys.executable, "-c", NO_NUMBA, str(build(8))], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "native path ran without numba" in r.stdout
+    assert "pip install 'fastxfer[data]'" in r.stdout

@@ -1,10 +1,11 @@
-// Shared-memory transport. Layout of the segment:
+// The shared-memory segment of one host's ranks. Layout:
 //
 //   [Header][rank 0: Control | records x2 | oob slot | window (2 halves)][rank 1: ...]...
 //
 // Every rank writes only its own area; it reads the others'. Progress is published through
 // monotonically increasing counters in Control, one per phase, so "rank j has finished phase p of
-// chunk g" is simply counter_p(j) >= g + 1. See docs/algorithms.md for the steps and bytes.
+// step g" is simply counter_p(j) >= g + 1. The collectives built on it are collectives/shm_*.cc;
+// docs/algorithms.md lists their steps and bytes.
 #include "transport/shm/segment.h"
 
 #include <fcntl.h>
@@ -69,12 +70,16 @@ char* ShmSegment::window(int j, int half) const {
   return static_cast<char*>(base_) + header_bytes_ + j * stride_ + win_off_ + half * (cfg_.window_bytes / 2);
 }
 
+size_t ShmSegment::rounded_window_bytes(size_t requested) {
+  return round_up(std::max<size_t>(requested, 2 * kPage), 2 * kPage);
+}
+
 shm::Counter& ShmSegment::counter(int j, Phase phase) const { return ctl(j).phase[static_cast<int>(phase)]; }
 
 ShmSegment::ShmSegment(const ShmConfig& cfg) : cfg_(cfg) {
   if (cfg_.size < 1 || cfg_.rank < 0 || cfg_.rank >= cfg_.size)
     throw std::invalid_argument("bad rank " + std::to_string(cfg_.rank) + " of " + std::to_string(cfg_.size));
-  cfg_.window_bytes = round_up(std::max<size_t>(cfg_.window_bytes, 2 * kPage), 2 * kPage);
+  cfg_.window_bytes = rounded_window_bytes(cfg_.window_bytes);
   cfg_.oob_bytes = round_up(std::max<size_t>(cfg_.oob_bytes, kPage), kPage);
   if (cfg_.max_records < 1) cfg_.max_records = 1;
 

@@ -28,6 +28,7 @@ struct ShmConfig {
 // the collective that uses it; the segment only stores, publishes and waits.
 enum class Phase : int { kReady = 0, kReduced, kConsumed, kRound, kOobReady, kOobConsumed };
 constexpr int kPhases = 6;
+static_assert(static_cast<int>(Phase::kOobConsumed) + 1 == kPhases, "one counter per phase");
 
 class ShmSegment {
  public:
@@ -37,6 +38,9 @@ class ShmSegment {
   ~ShmSegment();
   ShmSegment(const ShmSegment&) = delete;
   ShmSegment& operator=(const ShmSegment&) = delete;
+
+  // The window size the segment really uses for a requested one (whole pages per half).
+  static size_t rounded_window_bytes(size_t requested);
 
   int rank() const { return cfg_.rank; }
   int size() const { return cfg_.size; }

@@ -34,7 +34,7 @@ import numpy as np
 
 from fastxfer.data.adapters import as_keras, as_tf_dataset
 from fastxfer.data.decoders.native import MAX_PIXELS, NativeDecoder, native_decoder_status
-from fastxfer.data.decoders.numba_ref import IMAGENET_MEAN, IMAGENET_STD, NumbaDecoder
+from fastxfer.data.decoders import IMAGENET_MEAN, IMAGENET_STD
 from fastxfer.data.reader import PackedDataset
 from fastxfer.data.sampling import augment_params, image_uniforms, mixup
 
@@ -98,6 +98,11 @@ class Loader:
                 warnings.warn(f"fastxfer.data: native JPEG decoder unavailable ({why}); using simplejpeg + Numba, "
                               f"which is slower", RuntimeWarning, stacklevel=2)
         if self._decoder is None:
+            try:
+                from fastxfer.data.decoders.numba_ref import NumbaDecoder
+            except ImportError as e:
+                raise RuntimeError(f"fastxfer.data: no JPEG decoder can run here: the native one is unavailable and "
+                                   f"the Numba fallback cannot be imported ({e}); pip install 'fastxfer[data]'") from e
             self._decoder = NumbaDecoder(self.threads)
         self.decoder = self._decoder.name
 

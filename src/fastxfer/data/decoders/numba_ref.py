@@ -30,9 +30,7 @@ else:
 
 _OPTS = dict(nogil=True, cache=True, fastmath=False, error_model="numpy")
 
-# the normalisation both decoders default to (the Loader's mean/std): ImageNet's statistics
-IMAGENET_MEAN = np.array([0.485, 0.456, 0.406], np.float32)
-IMAGENET_STD = np.array([0.229, 0.224, 0.225], np.float32)
+from fastxfer.data.decoders import IMAGENET_MEAN, IMAGENET_STD  # noqa: E402,F401  (re-exported)
 
 
 # ---- resampling --------------------------------------------------------------------------------
