@@ -37,6 +37,7 @@ py::buffer_info contiguous_bytes(const py::handle& obj, const std::string& what)
 void bind_kernels(py::module_& m);
 void bind_fusion(py::module_& m);
 void bind_engine(py::module_& m);
+void bind_c_api(py::module_& m);  // engine.cc: the C interface for the TensorFlow op library
 void bind_topology(py::module_& m);
 void bind_data(py::module_& m);
 

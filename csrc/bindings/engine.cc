@@ -1,5 +1,6 @@
 // fastxfer._core: the engine — start it (joining the job), submit and wait for collectives, the
 // out-of-band lane, statistics; and the bridge that lets the engine thread call the Python MPI link.
+#include <dlfcn.h>
 #include <pybind11/stl.h>
 
 #include <memory>
@@ -104,7 +105,7 @@ void bind_engine(py::module_& m) {
       .def_readonly("chunks", &CommStats::chunks)
       .def_readonly("rounds", &CommStats::rounds)
       .def_readonly("wire_bytes", &CommStats::bytes);
-  py::class_<Engine>(m, "Engine", "The background collective engine over shared memory (one per process).")
+  py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine", "The background collective engine over shared memory (one per process).")
       .def(py::init([](const std::string& name, int rank, int size, size_t window_bytes, size_t oob_bytes,
                        double timeout_s, double attach_timeout_s, int threads, std::vector<int> cpus,
                        size_t bucket_cap_bytes, int max_records, size_t stream_min_bytes, py::object inter_host) {
@@ -125,7 +126,7 @@ void bind_engine(py::module_& m) {
              std::shared_ptr<InterHost> inter;
              if (!inter_host.is_none()) inter = std::make_shared<PyInterHost>(inter_host);
              py::gil_scoped_release nogil;  // waits for the other ranks to attach
-             return start_engine(job, inter);
+             return std::shared_ptr<Engine>(start_engine(job, inter));
            }),
            py::arg("name"), py::arg("rank"), py::arg("size"), py::arg("window_bytes"), py::arg("oob_bytes"),
            py::arg("timeout_s"), py::arg("attach_timeout_s"), py::arg("threads"), py::arg("cpus"),
@@ -197,7 +198,32 @@ void bind_engine(py::module_& m) {
           },
           py::arg("input"), py::arg("output"), py::arg("name"), py::arg("op"), py::arg("postscale"))
       .def("stats", &Engine::stats)
+      .def(
+          "make_current", [](std::shared_ptr<Engine> eng) { set_current_engine(std::move(eng)); },
+          "Make this the engine that the TensorFlow op library (the C interface) submits to.")
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>());
+}
+
+void bind_c_api(py::module_& m) {
+  m.def(
+      "clear_current_engine", [] { set_current_engine(nullptr); }, py::call_guard<py::gil_scoped_release>(),
+      "Detach the C interface from the engine (shutdown): later native submissions fail cleanly.");
+  m.def(
+      "connect_op_library",
+      [](const std::string& path) {
+        // The op library is already loaded (tf.load_op_library): find it by path, without loading
+        // it a second time, and hand it this module's engine interface.
+        void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_NOLOAD);
+        if (h == nullptr) throw std::runtime_error("the op library " + path + " is not loaded");
+        using Connect = const char* (*)(const fx_engine_api*);
+        auto connect = reinterpret_cast<Connect>(dlsym(h, "fastxfer_tfops_connect"));
+        const char* err = connect ? connect(engine_c_api()) : "it has no fastxfer_tfops_connect";
+        dlclose(h);
+        if (err != nullptr && *err != '\0') throw std::runtime_error(std::string("cannot use ") + path + ": " + err);
+      },
+      py::arg("path"),
+      "Give the loaded TensorFlow op library at `path` the engine's C interface; raises with the library's "
+      "reason when it cannot work (e.g. TensorFlow symbols it could not resolve).");
 }
 
 }  // namespace bindings

@@ -50,6 +50,7 @@ PYBIND11_MODULE(_core, m) {
   bindings::bind_kernels(m);
   bindings::bind_fusion(m);
   bindings::bind_engine(m);
+  bindings::bind_c_api(m);
   bindings::bind_topology(m);
   bindings::bind_data(m);
 }

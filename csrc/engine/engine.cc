@@ -62,6 +62,7 @@ Engine::~Engine() {
     thread_.join();
     if (fatal_ == ErrorKind::kNone) comm_->mark_exited(false, "the process left without calling shutdown()");
   }
+  fail_callbacks(ErrorKind::kEngine, "fastxfer's engine was destroyed before this collective ran");
 }
 
 void Engine::throw_error(ErrorKind kind, const std::string& msg) const {
@@ -140,27 +141,73 @@ bool Engine::running() const {
 }
 
 void Engine::finish(Request* r) {
+  if (r->on_done) {
+    std::unique_ptr<Request> owned;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      status_.erase(r->id);
+      auto it = active_.find(r->id);
+      owned = std::move(it->second);
+      active_.erase(it);
+    }
+    owned->on_done(*owned, ErrorKind::kNone, std::string());
+    return;
+  }
   std::lock_guard<std::mutex> lk(mu_);
   status_[r->id].finished = true;
   finished_.push_back(r->id);
   done_cv_.notify_all();
 }
 
-void Engine::fail_all(ErrorKind kind, const std::string& msg) {
-  std::lock_guard<std::mutex> lk(mu_);
-  if (fatal_ == ErrorKind::kNone) {
-    fatal_ = kind;
-    fatal_msg_ = msg;
-  }
-  for (auto& kv : status_) {
-    if (!kv.second.finished) {
-      kv.second.finished = true;
-      kv.second.error = fatal_;
-      kv.second.message = fatal_msg_;
-      finished_.push_back(kv.first);
+void Engine::fail_callbacks(ErrorKind kind, const std::string& msg) {
+  std::vector<std::unique_ptr<Request>> orphans;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    std::deque<std::unique_ptr<Request>> keep;
+    for (auto& r : queue_) {
+      if (r->on_done) {
+        status_.erase(r->id);
+        orphans.push_back(std::move(r));
+      } else {
+        keep.push_back(std::move(r));
+      }
+    }
+    queue_.swap(keep);
+    for (auto it = active_.begin(); it != active_.end();) {
+      if (it->second->on_done) {
+        status_.erase(it->first);
+        orphans.push_back(std::move(it->second));
+        it = active_.erase(it);
+      } else {
+        ++it;
+      }
     }
   }
-  done_cv_.notify_all();
+  for (auto& r : orphans) r->on_done(*r, kind, msg);
+}
+
+void Engine::fail_all(ErrorKind kind, const std::string& msg) {
+  ErrorKind first;
+  std::string first_msg;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (fatal_ == ErrorKind::kNone) {
+      fatal_ = kind;
+      fatal_msg_ = msg;
+    }
+    first = fatal_;
+    first_msg = fatal_msg_;
+    for (auto& kv : status_) {
+      if (!kv.second.finished) {
+        kv.second.finished = true;
+        kv.second.error = fatal_;
+        kv.second.message = fatal_msg_;
+        finished_.push_back(kv.first);
+      }
+    }
+    done_cv_.notify_all();
+  }
+  fail_callbacks(first, first_msg);
 }
 
 void Engine::loop() {
@@ -341,6 +388,7 @@ void Engine::shutdown() {
   }
   // On failure the engine thread has already told the peers why; keep that message.
   if (fatal_ == ErrorKind::kNone && !err) comm_->mark_exited(true, "shut down");
+  fail_callbacks(ErrorKind::kEngine, "fastxfer was shut down before this collective ran");
   if (err) std::rethrow_exception(err);
 }
 

@@ -5,6 +5,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "collectives/collectives.h"
+#include "engine/c_api.h"
 #include "common/request.h"
 #include "transport/inter_host.h"
 #include "transport/shm/segment.h"
@@ -24,6 +26,15 @@ struct EngineConfig {
   int max_records = 1024;       // requests agreed per round (the segment carries this many)
   std::vector<int> cpus;        // pin the engine thread to these CPUs (empty: no pinning)
 };
+
+enum class ErrorKind : int { kNone = 0, kPeerFailure, kMismatch, kEngine, kInvalid };
+
+struct Request;
+// Completion callback of a request nobody waits for (the TensorFlow ops, engine/c_api.h): called
+// exactly once, without the engine's lock, on the engine thread (or on the thread that stops a
+// failed engine), with the request still intact (an allgather's result readable); the engine
+// forgets the request as soon as it returns.
+using DoneCallback = std::function<void(Request&, ErrorKind, const std::string&)>;
 
 struct Request {
   uint64_t id = 0;
@@ -39,9 +50,8 @@ struct Request {
   Record rec{};
   std::vector<char> gathered;  // allgather result (its size is only known once ranks agree)
   int64_t gathered_rows = 0;
+  DoneCallback on_done;  // set: nobody calls wait()/release() for this request
 };
-
-enum class ErrorKind : int { kNone = 0, kPeerFailure, kMismatch, kEngine, kInvalid };
 
 class Engine {
  public:
@@ -88,6 +98,8 @@ class Engine {
   void run_batch(const std::vector<Request*>& batch, const std::vector<std::vector<Record>>& all);
   void finish(Request* r);
   void fail_all(ErrorKind kind, const std::string& msg);
+  // Fails every callback request still queued or running (after the thread stopped).
+  void fail_callbacks(ErrorKind kind, const std::string& msg);
   [[noreturn]] void throw_error(ErrorKind kind, const std::string& msg) const;
 
   std::unique_ptr<Collectives> comm_;
@@ -119,5 +131,10 @@ struct JobConfig {
 // hierarchical algorithms over `inter` when the job spans several hosts (inter != nullptr).
 // Blocks until every local rank has attached.
 std::unique_ptr<Engine> start_engine(const JobConfig& job, std::shared_ptr<InterHost> inter);
+
+// The engine that the C interface (engine/c_api.h) submits to: fastxfer.init() makes its engine
+// current, shutdown() clears it (nullptr), after which C submissions fail with FX_NOT_INITIALIZED.
+void set_current_engine(std::shared_ptr<Engine> eng);
+const fx_engine_api* engine_c_api();
 
 }  // namespace fastxfer

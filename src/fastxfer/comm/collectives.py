@@ -95,20 +95,29 @@ def allreduce_async(array, op: str = "average", compression: str = "none", name:
     pass the same value); None uses ``init``'s.
     """
     a = check.array(array)
-    op = check.op(op)
-    compression = check.compression(compression, a.dtype)
-    if a.dtype.kind == "i":
-        if op == "average":
-            raise TypeError(f"op='average' needs a floating dtype, not {a.dtype.name}: use op='sum' and divide")
-        if prescale != 1.0 or postscale != 1.0:
-            raise TypeError(f"{a.dtype.name} arrays cannot be scaled")
-    if a.dtype in (check.DTYPES["float16"], check.DTYPES["bfloat16"]) and prescale != 1.0:
-        raise ValueError(f"prescale is not supported for {a.dtype.name} arrays (scale in float32 first)")
-    size = group.size()
-    post = postscale / size if op == "average" else postscale
+    op, compression, prescale, post, cap = allreduce_settings(a.dtype, op, compression, prescale, postscale,
+                                                              bucket_cap_mb)
     out = np.empty_like(a) if out is None else check.out_like(out, a)
-    cap = check.bucket_cap_bytes(bucket_cap_mb)
     return _submit("allreduce", name, a, out, op, compression, 0, prescale, post, bucket_cap=cap)
+
+
+def allreduce_settings(dtype, op, compression, prescale, postscale, bucket_cap_mb):
+    """Checks an allreduce's options for arrays of ``dtype`` and returns what the engine is given:
+    (op, compression, prescale, postscale, bucket cap in bytes), the postscale including the
+    1/size of an average. Shared by the numpy and the TensorFlow collectives, so both describe
+    (and compute) the same reduction."""
+    dtype = np.dtype(dtype)
+    op = check.op(op)
+    compression = check.compression(compression, dtype)
+    if dtype.kind == "i":
+        if op == "average":
+            raise TypeError(f"op='average' needs a floating dtype, not {dtype.name}: use op='sum' and divide")
+        if prescale != 1.0 or postscale != 1.0:
+            raise TypeError(f"{dtype.name} arrays cannot be scaled")
+    if dtype in (check.DTYPES["float16"], check.DTYPES["bfloat16"]) and prescale != 1.0:
+        raise ValueError(f"prescale is not supported for {dtype.name} arrays (scale in float32 first)")
+    post = postscale / group.size() if op == "average" else postscale
+    return op, compression, float(prescale), float(post), check.bucket_cap_bytes(bucket_cap_mb)
 
 
 def allreduce(array, op: str = "average", compression: str = "none", name: str | None = None,
@@ -172,5 +181,5 @@ def broadcast_object(obj, root: int = 0):
     return obj if me == root else pickle.loads(got.tobytes()[:n])
 
 
-__all__ = ["Handle", "allgather", "allreduce", "allreduce_async", "barrier", "broadcast", "broadcast_object",
+__all__ = ["Handle", "allgather", "allreduce", "allreduce_async", "allreduce_settings", "barrier", "broadcast", "broadcast_object",
            "oob_allreduce"]

@@ -194,6 +194,7 @@ def init(*, timeout: float | None = None, engine_cpus: list[int] | str | None = 
         _engine = _core.Engine(layout.segment, layout.local_rank, layout.local_size, window, oob, float(timeout),
                                _float_env("FASTXFER_ATTACH_TIMEOUT", 120), threads, cpus, cap, 1024,
                                max(0, stream_min), layout.inter_host)
+        _engine.make_current()  # what the native TensorFlow ops submit to (engine/c_api.h)
         _layout = layout
 
 
@@ -207,6 +208,7 @@ def shutdown() -> None:
         try:
             eng.shutdown()
         finally:
+            _core.clear_current_engine()
             _engine = None
             _layout = None
             for callback in list(_shutdown_hooks):

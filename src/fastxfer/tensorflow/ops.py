@@ -1,9 +1,11 @@
 """Collectives on tf.Tensors, eager and inside tf.function: Horovod's op and compression names,
 allreduce, grouped_allreduce, broadcast, allgather, oob_allreduce.
 
-Inside a tf.function each collective is a ``tf.numpy_function`` pair: a *submit* op that hands the
-tensor to fastxfer's engine as soon as TensorFlow has produced it, and a *wait* op that returns
-the result. The submits of one traced function are chained with control dependencies in trace
+Each collective is a pair of ops: a *submit* op that hands the tensor to fastxfer's engine as
+soon as TensorFlow has produced it, and a *wait* op that returns the result. They are fastxfer's
+native TensorFlow ops (``native``: C++, asynchronous, in place, no Python per tensor) -- eagerly
+and inside tf.function -- or, when those cannot load, a ``tf.numpy_function`` pair that gives the
+same bits, slower. The submits of one traced function are chained with control dependencies in trace
 order (``chained``), so every rank issues them in the same order (fastxfer's engine requires
 that; TensorFlow's executor would otherwise run independent ops in any order), while the engine
 reduces early gradients during the rest of the backward pass. These ops are not XLA-compilable:
@@ -20,6 +22,8 @@ import tensorflow as tf
 
 import fastxfer as fx
 from fastxfer import _validate
+from fastxfer.comm.collectives import allreduce_settings
+from fastxfer.tensorflow import native
 
 Average, Sum, Min, Max = "average", "sum", "min", "max"
 
@@ -143,10 +147,48 @@ def allreduce(tensor, average=None, op=Average, compression=Compression.none, na
     t = tf.convert_to_tensor(tensor)
     name = _op_name("allreduce", name)
     if tf.executing_eagerly():
+        if native.library() is not None:
+            return _eager_grouped([t], [name], op, compression, prescale_factor, postscale_factor, [0], None)[0]
         out = fx.allreduce(t.numpy(), op=op, compression=compression, name=name, prescale=prescale_factor,
                            postscale=postscale_factor)
         return tf.convert_to_tensor(out)
     return wait_grouped(submit_grouped([t], [name], op, compression, prescale_factor, postscale_factor), [t])[0]
+
+
+def _np_dtype(t) -> np.dtype:
+    return np.dtype(t.dtype.as_numpy_dtype)
+
+
+def _eager(fn):
+    """Run native ops eagerly, raising fastxfer's own exceptions for the engine's errors."""
+    try:
+        return fn()
+    except tf.errors.OpError as e:
+        err = native.translate(e)
+        if err is e:
+            raise
+        raise err from None
+
+
+def _count(n: int) -> None:
+    global submitted
+    with _lock:
+        submitted += n
+
+
+def _eager_grouped(ts, names, op, compression, prescale, postscale, order, bucket_cap_mb) -> list:
+    """Native ops, eagerly: every submit in `order`, then every wait."""
+    settings = [allreduce_settings(_np_dtype(t), op, compression, prescale, postscale, bucket_cap_mb) for t in ts]
+
+    def run():
+        subs = {}
+        for i in order:
+            o, c, pre, post, cap = settings[i]
+            subs[i] = native.submit(ts[i], "allreduce", names[i], o, c, 0, pre, post, cap)
+            _count(1)
+        return [native.wait(*subs[i]) for i in range(len(ts))]
+
+    return _eager(run)
 
 
 def submit_grouped(tensors, names, op, compression, prescale, postscale, order=None, bucket_cap_mb=None) -> list:
@@ -156,6 +198,14 @@ def submit_grouped(tensors, names, op, compression, prescale, postscale, order=N
     graph = _graph_checks("allreduce")
     order = range(len(tensors)) if order is None else order
     handles = [None] * len(tensors)
+    if native.library() is not None:
+        for i in order:
+            t = tensors[i]
+            o, c, pre, post, cap = allreduce_settings(_np_dtype(t), op, compression, prescale, postscale, bucket_cap_mb)
+            handles[i] = chained(graph, lambda t=t, name=names[i], o=o, c=c, pre=pre, post=post, cap=cap: native.submit(
+                t, "allreduce", name, o, c, 0, pre, post, cap)[1])
+            _count(1)
+        return handles
     for i in order:
         t, name = tensors[i], names[i]
         handles[i] = chained(graph, lambda t=t, name=name: tf.numpy_function(
@@ -166,8 +216,11 @@ def submit_grouped(tensors, names, op, compression, prescale, postscale, order=N
 
 
 def wait_grouped(handles, tensors) -> list:
-    """Graph mode: one op that waits for every handle of ``submit_grouped``; returns the results,
-    each with the shape and dtype of its input tensor."""
+    """Graph mode: waits for every handle of ``submit_grouped``; returns the results, each with the
+    shape and dtype of its input tensor. Native: one asynchronous wait op per tensor, so whatever
+    uses a result (the optimizer's update of that variable) can run as soon as it is reduced."""
+    if handles and native.is_submit(handles[0]):
+        return [native.wait(h.op.outputs[0], h) for h in handles]
     outs = tf.numpy_function(_wait_many, handles, [t.dtype for t in tensors], stateful=True, name="fastxfer_wait")
     outs = [outs] if not isinstance(outs, (list, tuple)) else list(outs)
     for r, t in zip(outs, tensors):
@@ -190,6 +243,8 @@ def grouped_allreduce(tensors, op=Average, compression=Compression.none, name=No
     order = list(range(len(ts))) if order is None else list(order)
     if sorted(order) != list(range(len(ts))):
         raise ValueError("order must be a permutation of range(len(tensors))")
+    if tf.executing_eagerly() and native.library() is not None:
+        return _eager_grouped(ts, names, op, compression, prescale_factor, postscale_factor, order, bucket_cap_mb)
     if tf.executing_eagerly():
         hs = {i: fx.allreduce_async(ts[i].numpy(), op=op, compression=compression, name=names[i],
                                     prescale=prescale_factor, postscale=postscale_factor,
@@ -199,9 +254,40 @@ def grouped_allreduce(tensors, op=Average, compression=Compression.none, name=No
     return wait_grouped(handles, ts)
 
 
+def _native_single(kind, t, name, root):
+    """broadcast/allgather through the native ops (eager or traced)."""
+    if kind == "broadcast":
+        size = fx.size()
+        if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < size:
+            raise ValueError(f"root must be a rank in 0..{size - 1}, not {root!r}")
+    elif t.shape.rank == 0:
+        raise ValueError("allgather needs at least one dimension (concatenates along axis 0); use a[None]")
+    _validate.numpy_dtype(_np_dtype(t))
+
+    def run():
+        out, h = native.submit(t, kind, name, root=int(root))
+        _count(1)
+        return native.wait_gather(out, h) if kind == "allgather" else native.wait(out, h)
+
+    if tf.executing_eagerly():
+        return _eager(run)
+    graph = _graph_checks(kind)
+    pair = {}
+    chained(graph, lambda: pair.setdefault("h", native.submit(t, kind, name, root=int(root)))[1])
+    _count(1)
+    out, h = pair["h"]
+    if kind == "allgather":
+        r = native.wait_gather(out, h)
+        r.set_shape(tf.TensorShape([None]).concatenate(t.shape[1:]))
+        return r
+    return native.wait(out, h)
+
+
 def _single(kind, tensor, name, root=0):
     t = tf.convert_to_tensor(tensor)
     name = _op_name(kind, name)
+    if native.library() is not None:
+        return _native_single(kind, t, name, root)
     if tf.executing_eagerly():
         x = t.numpy()
         out = fx.broadcast(x, root=root, name=name) if kind == "broadcast" else fx.allgather(x, name=name)

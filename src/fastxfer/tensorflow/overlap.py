@@ -7,9 +7,9 @@ import os
 
 import tensorflow as tf
 
-# stateful host callbacks (tf.numpy_function, tf.py_function), fastxfer's submits and waits among them:
+# fastxfer's own submit and wait ops (native, or tf.numpy_function / tf.py_function host callbacks):
 # never given an edge
-_HOST_CALLBACKS = ("PyFunc", "EagerPyFunc")
+_HOST_CALLBACKS = ("PyFunc", "EagerPyFunc", "FastxferSubmit", "FastxferWait", "FastxferWaitGather")
 
 
 def pin_enabled() -> bool:

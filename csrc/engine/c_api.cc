@@ -1,0 +1,103 @@
+// The C interface of engine/c_api.h over the current Engine. A reader/writer lock keeps the
+// engine alive while a submission is handed to it; exceptions never cross into C.
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <shared_mutex>
+#include <stdexcept>
+#include <string>
+
+#include "common/errors.h"
+#include "engine/engine.h"
+
+namespace fastxfer {
+
+namespace {
+
+std::shared_mutex g_mu;
+std::shared_ptr<Engine> g_engine;
+
+void copy_message(char* err, size_t errlen, const std::string& msg) {
+  if (err == nullptr || errlen == 0) return;
+  std::snprintf(err, errlen, "%s", msg.c_str());
+}
+
+int32_t c_submit(const fx_request* q, fx_done_fn done, void* ctx, char* err, size_t errlen) {
+  try {
+    if (q == nullptr || done == nullptr) throw std::invalid_argument("fx_request and done must not be null");
+    if (q->kind != FX_ALLREDUCE && q->kind != FX_BROADCAST && q->kind != FX_ALLGATHER)
+      throw std::invalid_argument("unknown collective kind " + std::to_string(q->kind));
+    if (q->dtype < FX_FLOAT32 || q->dtype > FX_INT64) throw std::invalid_argument("unknown dtype " + std::to_string(q->dtype));
+    if (q->op < 0 || q->op > static_cast<int32_t>(ReduceOp::kMax)) throw std::invalid_argument("unknown reduction op");
+    if (q->compression < 0 || q->compression > static_cast<int32_t>(Compression::kFP16))
+      throw std::invalid_argument("unknown compression");
+    if (q->ndim < 0 || (q->ndim > 0 && q->shape == nullptr)) throw std::invalid_argument("bad shape");
+    Request r;
+    r.kind = static_cast<CollectiveKind>(q->kind);
+    r.dtype = static_cast<DType>(q->dtype);
+    r.op = static_cast<ReduceOp>(q->op);
+    r.compression = static_cast<Compression>(q->compression);
+    r.root = q->root;
+    r.prescale = q->prescale;
+    r.postscale = q->postscale;
+    std::vector<int64_t> shape(q->shape, q->shape + q->ndim);
+    size_t numel = 1;
+    for (int64_t d : shape) {
+      if (d < 0) throw std::invalid_argument("negative dimension");
+      numel *= static_cast<size_t>(d);
+    }
+    r.numel = numel;
+    r.in = q->in;
+    r.out = q->out;
+    if (numel > 0 && r.in == nullptr) throw std::invalid_argument("null input buffer");
+    if (numel > 0 && r.kind != CollectiveKind::kAllgather && r.out == nullptr)
+      throw std::invalid_argument("null output buffer");
+    r.rec = make_record(r.kind, q->name ? q->name : "", r.dtype, shape, r.op, r.compression, r.root, r.prescale,
+                        r.postscale);
+    r.rec.bucket_cap = q->bucket_cap;
+    r.on_done = [done, ctx](Request& req, ErrorKind kind, const std::string& msg) {
+      done(ctx, static_cast<int32_t>(kind), msg.c_str(), req.gathered.data(), req.gathered.size(), req.gathered_rows);
+    };
+    std::shared_lock<std::shared_mutex> lk(g_mu);
+    if (!g_engine) {
+      copy_message(err, errlen, "fastxfer is not initialised: call fastxfer.init() first");
+      return FX_NOT_INITIALIZED;
+    }
+    g_engine->submit(std::move(r));
+    return FX_OK;
+  } catch (const PeerFailure& e) {
+    copy_message(err, errlen, e.what());
+    return FX_PEER_FAILURE;
+  } catch (const Mismatch& e) {
+    copy_message(err, errlen, e.what());
+    return FX_MISMATCH;
+  } catch (const std::invalid_argument& e) {
+    copy_message(err, errlen, e.what());
+    return FX_INVALID;
+  } catch (const std::exception& e) {
+    copy_message(err, errlen, e.what());
+    return FX_ENGINE_ERROR;
+  } catch (...) {
+    copy_message(err, errlen, "unknown error");
+    return FX_ENGINE_ERROR;
+  }
+}
+
+const fx_engine_api kApi = {FX_C_API_VERSION, sizeof(fx_engine_api), &c_submit};
+
+}  // namespace
+
+void set_current_engine(std::shared_ptr<Engine> eng) {
+  std::shared_ptr<Engine> old;
+  {
+    std::unique_lock<std::shared_mutex> lk(g_mu);
+    old = std::move(g_engine);
+    g_engine = std::move(eng);
+  }
+  // `old` may be the last reference: destroy it (joining its thread, failing its callbacks)
+  // outside the lock, which a callback's continuation may need.
+}
+
+const fx_engine_api* engine_c_api() { return &kApi; }
+
+}  // namespace fastxfer

@@ -1,0 +1,127 @@
+"""fastxfer's native TensorFlow ops (csrc/tfops/, the ``_tfops`` library beside ``_core``).
+
+``library()`` loads them once with ``tf.load_op_library`` and connects them to the engine; when
+they cannot load (a build without them, a TensorFlow whose C API lacks a function they need),
+it warns once, with the reason, and returns None: fastxfer.tensorflow then uses its
+``tf.numpy_function`` bridge, which gives bit-identical results, only slower.
+``FASTXFER_TF_NATIVE=0`` chooses that bridge on purpose (comparisons, debugging).
+
+The ops (design: docs/tensorflow.md):
+
+- ``submit(tensor, ...) -> (output, handle)`` hands the tensor to the engine and returns at once;
+  ``output`` is the tensor's own buffer when TensorFlow can forward it (in place), else a new one.
+- ``wait(output, handle) -> result`` completes when the engine has reduced that tensor.
+- ``wait_gather(tensor, handle) -> result`` the same for allgather (result allocated at the end).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+import threading
+import warnings
+
+import tensorflow as tf
+
+from fastxfer import _core
+from fastxfer.errors import FastxferError, MismatchError, PeerFailureError
+
+PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_tfops.so")
+
+# the engine's codes (csrc/common/request.h, dtype.h): the op's attributes carry these
+OP_CODES = {"sum": 0, "average": 1, "min": 2, "max": 3}
+COMPRESSION_CODES = {"none": 0, "bf16": 1, "fp16": 2}
+
+_lock = threading.Lock()
+_lib = None
+_tried = False
+_reason: str | None = None
+
+
+def enabled_by_env() -> bool:
+    v = os.environ.get("FASTXFER_TF_NATIVE", "1").strip().lower()
+    if v in ("1", "true", "yes", "on", ""):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"FASTXFER_TF_NATIVE must be 1 or 0, not {v!r}")
+
+
+def library():
+    """The loaded op library, or None when the tf.numpy_function bridge must be used."""
+    global _lib, _tried, _reason
+    if _tried:
+        return _lib
+    with _lock:
+        if _tried:
+            return _lib
+        if not enabled_by_env():
+            _reason = "FASTXFER_TF_NATIVE=0"
+        else:
+            try:
+                if not os.path.exists(PATH):
+                    raise FileNotFoundError(f"{PATH} is missing (fastxfer was built without its TensorFlow ops)")
+                lib = tf.load_op_library(PATH)
+                if not hasattr(lib, "fastxfer_submit"):
+                    raise RuntimeError("the library registered no ops")
+                _core.connect_op_library(PATH)
+                _lib = lib
+            except Exception as e:  # any reason at all: fall back, loudly, once
+                _reason = f"{type(e).__name__}: {e}"
+                warnings.warn(f"fastxfer: the native TensorFlow ops could not be loaded ({_reason}); collectives on "
+                              "tensors fall back to the slower tf.numpy_function bridge", RuntimeWarning, stacklevel=3)
+        _tried = True
+        return _lib
+
+
+def reason() -> str | None:
+    """Why the native ops are not in use (None when they are, or have not been tried yet)."""
+    return _reason
+
+
+def pending() -> int:
+    """Collectives submitted through the native ops and not yet waited for (this process)."""
+    import ctypes
+
+    return int(ctypes.CDLL(PATH).fastxfer_tfops_pending()) if _lib is not None else 0
+
+
+def _bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def submit(tensor, kind: str, name: str, op: str = "sum", compression: str = "none", root: int = 0,
+           prescale: float = 1.0, postscale: float = 1.0, bucket_cap: int = 0):
+    """The submit op on ``tensor``: returns (output, handle). Options are already validated."""
+    return _lib.fastxfer_submit(tensor, kind=kind, tensor_name=name, reduce_op=OP_CODES[op],
+                                compression=COMPRESSION_CODES[compression], root=int(root),
+                                prescale_bits=_bits(prescale), postscale_bits=_bits(postscale),
+                                bucket_cap=int(bucket_cap), name="fastxfer_submit")
+
+
+def wait(output, handle):
+    return _lib.fastxfer_wait(output, handle, name="fastxfer_wait")
+
+
+def wait_gather(output, handle):
+    return _lib.fastxfer_wait_gather(output, handle, name="fastxfer_wait")
+
+
+def is_submit(t) -> bool:
+    """Whether ``t`` is the handle output of a native submit op (graph mode)."""
+    return getattr(getattr(t, "op", None), "type", None) == "FastxferSubmit"
+
+
+_CLASSES = {"PeerFailureError": PeerFailureError, "MismatchError": MismatchError, "FastxferError": FastxferError,
+            "ValueError": ValueError}
+_MESSAGE = re.compile(r"(PeerFailureError|MismatchError|FastxferError|ValueError): (.*?)(?: \[Op:Fastxfer\w+\])?$",
+                      re.S)
+
+
+def translate(e: tf.errors.OpError) -> Exception:
+    """fastxfer's exception for an error raised by a native op (eagerly), else ``e`` itself."""
+    m = _MESSAGE.search(e.message or "")
+    if m is None:
+        return e
+    return _CLASSES[m.group(1)](m.group(2).strip())
