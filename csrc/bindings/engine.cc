@@ -108,7 +108,8 @@ void bind_engine(py::module_& m) {
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine", "The background collective engine over shared memory (one per process).")
       .def(py::init([](const std::string& name, int rank, int size, size_t window_bytes, size_t oob_bytes,
                        double timeout_s, double attach_timeout_s, int threads, std::vector<int> cpus,
-                       size_t bucket_cap_bytes, int max_records, size_t stream_min_bytes, py::object inter_host) {
+                       size_t bucket_cap_bytes, int max_records, size_t stream_min_bytes, py::object inter_host,
+                       const std::string& timeline_path, int timeline_rank) {
              JobConfig job;
              job.shm.name = name;
              job.shm.rank = rank;
@@ -123,6 +124,8 @@ void bind_engine(py::module_& m) {
              job.engine.bucket_cap_bytes = bucket_cap_bytes;
              job.engine.max_records = max_records;
              job.engine.cpus = std::move(cpus);
+             job.engine.timeline_path = timeline_path;
+             job.engine.timeline_rank = timeline_rank;
              std::shared_ptr<InterHost> inter;
              if (!inter_host.is_none()) inter = std::make_shared<PyInterHost>(inter_host);
              py::gil_scoped_release nogil;  // waits for the other ranks to attach
@@ -131,7 +134,7 @@ void bind_engine(py::module_& m) {
            py::arg("name"), py::arg("rank"), py::arg("size"), py::arg("window_bytes"), py::arg("oob_bytes"),
            py::arg("timeout_s"), py::arg("attach_timeout_s"), py::arg("threads"), py::arg("cpus"),
            py::arg("bucket_cap_bytes"), py::arg("max_records"), py::arg("stream_min_bytes"),
-           py::arg("inter_host") = py::none())
+           py::arg("inter_host") = py::none(), py::arg("timeline_path") = "", py::arg("timeline_rank") = 0)
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("size", &Engine::size)
       .def_property_readonly("oob_capacity", &Engine::oob_capacity)
@@ -198,6 +201,8 @@ void bind_engine(py::module_& m) {
           },
           py::arg("input"), py::arg("output"), py::arg("name"), py::arg("op"), py::arg("postscale"))
       .def("stats", &Engine::stats)
+      .def("mark", &Engine::mark, py::arg("name"), "A step mark on the timeline (FASTXFER_TIMELINE); no-op without one.")
+      .def_property_readonly("timeline_enabled", &Engine::timeline_enabled)
       .def(
           "make_current", [](std::shared_ptr<Engine> eng) { set_current_engine(std::move(eng)); },
           "Make this the engine that the TensorFlow op library (the C interface) submits to.")

@@ -30,7 +30,7 @@
 namespace fastxfer {
 
 Engine::Engine(std::unique_ptr<Collectives> comm, const EngineConfig& cfg)
-    : comm_(std::move(comm)), cfg_(cfg) {
+    : comm_(std::move(comm)), cfg_(cfg), timeline_(cfg.timeline_path, cfg.timeline_rank) {
   thread_ = std::thread([this] { loop(); });
   pthread_setname_np(thread_.native_handle(), "fastxfer-engine");  // visible in top -H, gdb, /proc
   if (!cfg_.cpus.empty()) {
@@ -84,6 +84,7 @@ uint64_t Engine::submit(Request req) {
   if (shutdown_requested_ || stopped_) throw EngineError("fastxfer has been shut down; call init() again first");
   req.id = next_id_++;
   if (req.kind == CollectiveKind::kShutdown) shutdown_requested_ = true;
+  if (timeline_.enabled()) req.t_submit = timeline_.now();
   uint64_t id = req.id;
   status_[id] = Status{};
   queue_.push_back(std::make_unique<Request>(std::move(req)));
@@ -214,6 +215,8 @@ void Engine::loop() {
   try {
     for (;;) {
       std::vector<Record> recs;
+      const bool tl = timeline_.enabled();
+      double t_idle = tl ? timeline_.now() : 0;
       {
         std::unique_lock<std::mutex> lk(mu_);
         work_cv_.wait(lk, [&] { return !queue_.empty() || stop_ || fatal_ != ErrorKind::kNone; });
@@ -222,9 +225,16 @@ void Engine::loop() {
         size_t m = std::min(queue_.size(), static_cast<size_t>(cfg_.max_records));
         for (size_t i = 0; i < m; ++i) recs.push_back(queue_[i]->rec);
       }
+      double t_round = tl ? timeline_.now() : 0;
+      if (tl && t_round - t_idle > 1.0) timeline_.span(Timeline::kEngineLane, "engine", "idle", t_idle, t_round);
       auto all = comm_->exchange_records(recs);
       size_t agreed = recs.size();
       for (const auto& l : all) agreed = std::min(agreed, l.size());
+      if (tl) {
+        const double t = timeline_.now();
+        timeline_.span(Timeline::kEngineLane, "engine", "negotiate", t_round, t,
+                       "\"offered\": " + std::to_string(recs.size()) + ", \"agreed\": " + std::to_string(agreed));
+      }
       for (size_t i = 0; i < agreed; ++i) {
         for (size_t j = 1; j < all.size(); ++j) {
           std::string diff = compare_records(all[0][i], 0, all[j][i], static_cast<int>(j));
@@ -242,6 +252,7 @@ void Engine::loop() {
           active_[r->id] = std::move(queue_.front());
           queue_.pop_front();
           batch.push_back(r);
+          if (tl) r->t_agreed = timeline_.now();
         }
       }
       // Read before running: once a request is finished, the waiting thread may release it.
@@ -292,15 +303,27 @@ void Engine::run_batch(const std::vector<Request*>& batch, const std::vector<std
             job.srcs.push_back(batch[i + t]->in);
             job.outs.push_back(batch[i + t]->out);
           }
+          const double t0 = timeline_.enabled() ? timeline_.now() : 0;
           comm_->allreduce(job);
+          if (timeline_.enabled()) {
+            const double t1 = timeline_.now();
+            const std::string label = "bucket " + std::to_string(buckets_++);
+            timeline_.span(Timeline::kEngineLane, "engine", label, t0, t1,
+                           "\"tensors\": " + std::to_string(b.tensors.size()) + ", \"bytes\": " +
+                               std::to_string(b.nbytes()) + ", \"wire\": \"" + dtype_name(b.wire_dtype) + "\"");
+            for (int t : b.tensors) trace(*batch[i + t], t0, t1, label);
+          }
           for (int t : b.tensors) finish(batch[i + t]);
         }
         i = e;
         continue;
       }
-      case CollectiveKind::kBroadcast:
+      case CollectiveKind::kBroadcast: {
+        const double t0 = timeline_.enabled() ? timeline_.now() : 0;
         comm_->broadcast(r->in, r->out, r->numel * dtype_size(r->dtype), r->root);
+        if (timeline_.enabled()) trace(*r, t0, timeline_.now(), "broadcast");
         break;
+      }
       case CollectiveKind::kAllgather: {
         std::vector<size_t> bytes(all.size());
         size_t total = 0;
@@ -312,7 +335,9 @@ void Engine::run_batch(const std::vector<Request*>& batch, const std::vector<std
         }
         r->gathered.resize(total);
         r->gathered_rows = rows;
+        const double t0 = timeline_.enabled() ? timeline_.now() : 0;
         comm_->allgather(r->in, r->gathered.data(), bytes);
+        if (timeline_.enabled()) trace(*r, t0, timeline_.now(), "allgather");
         break;
       }
       case CollectiveKind::kBarrier:   // agreeing on it was the barrier: every rank had reached it
@@ -322,6 +347,15 @@ void Engine::run_batch(const std::vector<Request*>& batch, const std::vector<std
     finish(r);
     ++i;
   }
+}
+
+void Engine::trace(const Request& r, double t0, double t1, const std::string& bucket) {
+  const int lane = timeline_.lane(std::string(r.rec.name, strnlen(r.rec.name, sizeof r.rec.name)));
+  timeline_.span(lane, "tensor", "queued", r.t_submit, r.t_agreed);
+  if (t0 > r.t_agreed) timeline_.span(lane, "tensor", "wait", r.t_agreed, t0);
+  timeline_.span(lane, "tensor", kind_name(r.kind), t0, t1,
+                 "\"bucket\": \"" + bucket + "\", \"elements\": " + std::to_string(r.numel) + ", \"dtype\": \"" +
+                     dtype_name(r.dtype) + "\"");
 }
 
 void Engine::oob_allreduce(const Record& rec, const void* in, void* out, size_t n, DType dtype, ReduceOp op,
@@ -388,6 +422,7 @@ void Engine::shutdown() {
   }
   // On failure the engine thread has already told the peers why; keep that message.
   if (fatal_ == ErrorKind::kNone && !err) comm_->mark_exited(true, "shut down");
+  timeline_.close();
   fail_callbacks(ErrorKind::kEngine, "fastxfer was shut down before this collective ran");
   if (err) std::rethrow_exception(err);
 }

@@ -15,6 +15,7 @@
 
 #include "collectives/collectives.h"
 #include "engine/c_api.h"
+#include "engine/timeline.h"
 #include "common/request.h"
 #include "transport/inter_host.h"
 #include "transport/shm/segment.h"
@@ -25,6 +26,8 @@ struct EngineConfig {
   size_t bucket_cap_bytes = 25u << 20;
   int max_records = 1024;       // requests agreed per round (the segment carries this many)
   std::vector<int> cpus;        // pin the engine thread to these CPUs (empty: no pinning)
+  std::string timeline_path;    // FASTXFER_TIMELINE (empty: no timeline)
+  int timeline_rank = 0;        // the rank the timeline names (its Chrome-trace pid)
 };
 
 enum class ErrorKind : int { kNone = 0, kPeerFailure, kMismatch, kEngine, kInvalid };
@@ -51,6 +54,7 @@ struct Request {
   std::vector<char> gathered;  // allgather result (its size is only known once ranks agree)
   int64_t gathered_rows = 0;
   DoneCallback on_done;  // set: nobody calls wait()/release() for this request
+  double t_submit = 0, t_agreed = 0;  // timeline clock (only when the timeline is on)
 };
 
 class Engine {
@@ -86,6 +90,9 @@ class Engine {
   bool running() const;
   // Read while the engine runs: approximate (not synchronised with the engine thread).
   CommStats stats() const { return comm_->stats(); }
+  // A step mark on the timeline (no-op without one).
+  void mark(const std::string& name) { timeline_.mark(name); }
+  bool timeline_enabled() const { return timeline_.enabled(); }
 
  private:
   struct Status {
@@ -97,6 +104,8 @@ class Engine {
   void loop();
   void run_batch(const std::vector<Request*>& batch, const std::vector<std::vector<Record>>& all);
   void finish(Request* r);
+  // Timeline spans of one request that ran from t0 to t1 (before finish(r)).
+  void trace(const Request& r, double t0, double t1, const std::string& bucket);
   void fail_all(ErrorKind kind, const std::string& msg);
   // Fails every callback request still queued or running (after the thread stopped).
   void fail_callbacks(ErrorKind kind, const std::string& msg);
@@ -104,6 +113,7 @@ class Engine {
 
   std::unique_ptr<Collectives> comm_;
   EngineConfig cfg_;
+  Timeline timeline_;
   mutable std::mutex mu_;
   std::condition_variable work_cv_, done_cv_;
   std::deque<std::unique_ptr<Request>> queue_;                   // submitted, not yet agreed
@@ -111,7 +121,8 @@ class Engine {
   std::unordered_map<uint64_t, Status> status_;
   std::vector<uint64_t> finished_;
   uint64_t next_id_ = 1;
-  uint64_t executed_ = 0;  // requests agreed and run (the same count on every rank)
+  uint64_t executed_ = 0;
+  uint64_t buckets_ = 0;   // buckets run so far (timeline labels)  // requests agreed and run (the same count on every rank)
   bool stop_ = false, stopped_ = false, shutdown_requested_ = false;
   ErrorKind fatal_ = ErrorKind::kNone;
   std::string fatal_msg_;

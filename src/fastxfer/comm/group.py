@@ -159,6 +159,23 @@ def on_shutdown(callback: Callable[[], None]) -> Callable[[], None]:
     return callback
 
 
+def timeline_path(rank: int) -> str:
+    """Where this rank writes its timeline: FASTXFER_TIMELINE for rank 0, the same name with the
+    rank before the extension for the others (timeline.json -> timeline.1.json); "" when unset."""
+    path = os.environ.get("FASTXFER_TIMELINE", "").strip()
+    if not path or rank == 0:
+        return path
+    root, ext = os.path.splitext(path)
+    return f"{root}.{rank}{ext}"
+
+
+def mark(name: str) -> None:
+    """A step mark on the timeline (FASTXFER_TIMELINE); does nothing without a timeline."""
+    eng = _engine
+    if eng is not None and eng.timeline_enabled:
+        eng.mark(name)
+
+
 def init(*, timeout: float | None = None, engine_cpus: list[int] | str | None = None,
          bucket_cap_mb: float | None = None) -> None:
     """Join the job. Calling it again while initialised does nothing.
@@ -193,7 +210,7 @@ def init(*, timeout: float | None = None, engine_cpus: list[int] | str | None = 
         topology.apply_thread_settings()  # TensorFlow's thread counts from `fastxfer run --bind`, if loaded
         _engine = _core.Engine(layout.segment, layout.local_rank, layout.local_size, window, oob, float(timeout),
                                _float_env("FASTXFER_ATTACH_TIMEOUT", 120), threads, cpus, cap, 1024,
-                               max(0, stream_min), layout.inter_host)
+                               max(0, stream_min), layout.inter_host, timeline_path(layout.rank), layout.rank)
         _engine.make_current()  # what the native TensorFlow ops submit to (engine/c_api.h)
         _layout = layout
 

@@ -24,6 +24,7 @@ import keras
 import tensorflow as tf
 
 import fastxfer as fx
+from fastxfer.comm import group
 from fastxfer.keras._distributed import (ACCUMULATORS, PASSES, Settings, accumulate_and_apply, distributed_class,
                                          is_distributed, new_settings, reduce_gradients)
 from fastxfer.keras._layers import SyncBatchNormalization
@@ -67,10 +68,28 @@ def _no_xla_for(model) -> None:
     _xla_warned = True
 
 
+def _marked_steps(step):
+    """The training step, with a mark on the timeline where each call starts and ends."""
+    count = [0]
+
+    def train_function(*args, **kwargs):
+        n = count[0]
+        count[0] += 1
+        group.mark(f"step {n} begins")
+        try:
+            return step(*args, **kwargs)
+        finally:
+            group.mark(f"step {n} ends")
+
+    train_function._fastxfer_marked = True
+    return train_function
+
+
 def install_trainer_hook() -> None:
     """Wrap Keras's TensorFlowTrainer.make_train_function once: for models whose optimizer is a
-    fastxfer DistributedOptimizer, turn jit_compile off before the training step is traced. Other
-    models are untouched."""
+    fastxfer DistributedOptimizer, turn jit_compile off before the training step is traced, and,
+    when a timeline is being written (FASTXFER_TIMELINE), mark each step on it. Other models are
+    untouched."""
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
     original = TensorFlowTrainer.make_train_function
@@ -79,7 +98,12 @@ def install_trainer_hook() -> None:
 
     def make_train_function(self, force=False):
         _no_xla_for(self)
-        return original(self, force=force)
+        fn = original(self, force=force)
+        if _uses_fastxfer(self) and fx.is_initialized() and group.engine().timeline_enabled \
+                and not getattr(fn, "_fastxfer_marked", False):
+            fn = _marked_steps(fn)
+            self.train_function = fn
+        return fn
 
     make_train_function._fastxfer_hook = True
     make_train_function.__doc__ = original.__doc__

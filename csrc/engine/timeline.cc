@@ -1,0 +1,124 @@
+#include "engine/timeline.h"
+
+#include <chrono>
+#include <cerrno>
+#include <cstring>
+#include <stdexcept>
+
+namespace fastxfer {
+
+namespace {
+
+double steady_us() {
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+constexpr size_t kFlushBytes = 1 << 20;
+
+}  // namespace
+
+Timeline::Timeline(const std::string& path, int rank) : rank_(rank), start_(steady_us()) {
+  if (path.empty()) return;
+  file_ = std::fopen(path.c_str(), "w");
+  if (file_ == nullptr)
+    throw std::runtime_error("cannot write the timeline FASTXFER_TIMELINE=" + path + ": " + std::strerror(errno));
+  buf_ = "[\n";
+  buf_ += "{\"ph\": \"M\", \"name\": \"process_name\", \"pid\": " + std::to_string(rank_) +
+          ", \"args\": {\"name\": \"rank " + std::to_string(rank_) + "\"}}";
+  buf_ += ",\n{\"ph\": \"M\", \"name\": \"thread_name\", \"pid\": " + std::to_string(rank_) +
+          ", \"tid\": 0, \"args\": {\"name\": \"engine\"}}";
+  buf_ += ",\n{\"ph\": \"M\", \"name\": \"thread_sort_index\", \"pid\": " + std::to_string(rank_) +
+          ", \"tid\": 0, \"args\": {\"sort_index\": -1}}";
+  on_ = true;
+}
+
+Timeline::~Timeline() { close(); }
+
+double Timeline::now() const { return steady_us() - start_; }
+
+std::string Timeline::escape(const std::string& s) {
+  std::string o;
+  for (char c : s) {
+    if (c == '"' || c == '\\') {
+      o += '\\';
+      o += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      char b[8];
+      std::snprintf(b, sizeof b, "\\u%04x", c);
+      o += b;
+    } else {
+      o += c;
+    }
+  }
+  return o;
+}
+
+int Timeline::lane(const std::string& tensor) {
+  if (!enabled()) return 0;
+  std::lock_guard<std::mutex> lk(mu_);
+  if (file_ == nullptr) return 0;
+  auto it = lanes_.find(tensor);
+  if (it != lanes_.end()) return it->second;
+  int id;
+  std::string label = tensor;
+  if (static_cast<int>(lanes_.size()) >= kMaxLanes) {
+    id = kMaxLanes + 1;
+    label = "other tensors";
+    if (lanes_.count("\x01other")) return id;
+    lanes_["\x01other"] = id;
+  } else {
+    id = static_cast<int>(lanes_.size()) + 1;
+    lanes_[tensor] = id;
+  }
+  buf_ += ",\n{\"ph\": \"M\", \"name\": \"thread_name\", \"pid\": " + std::to_string(rank_) +
+          ", \"tid\": " + std::to_string(id) + ", \"args\": {\"name\": \"" + escape(label) + "\"}}";
+  buf_ += ",\n{\"ph\": \"M\", \"name\": \"thread_sort_index\", \"pid\": " + std::to_string(rank_) +
+          ", \"tid\": " + std::to_string(id) + ", \"args\": {\"sort_index\": " + std::to_string(id) + "}}";
+  return id;
+}
+
+void Timeline::span(int lane, const char* cat, const std::string& name, double t0, double t1,
+                    const std::string& args) {
+  if (!enabled()) return;
+  char head[160];
+  std::snprintf(head, sizeof head, ",\n{\"ph\": \"X\", \"pid\": %d, \"tid\": %d, \"ts\": %.3f, \"dur\": %.3f, \"cat\": \"",
+                rank_, lane, t0, t1 > t0 ? t1 - t0 : 0.0);
+  std::lock_guard<std::mutex> lk(mu_);
+  buf_ += head;
+  buf_ += cat;
+  buf_ += "\", \"name\": \"" + escape(name) + "\"";
+  if (!args.empty()) buf_ += ", \"args\": {" + args + "}";
+  buf_ += "}";
+  ++events_;
+  if (buf_.size() >= kFlushBytes) flush_locked();
+}
+
+void Timeline::mark(const std::string& name) {
+  if (!enabled()) return;
+  char head[128];
+  std::snprintf(head, sizeof head, ",\n{\"ph\": \"i\", \"s\": \"p\", \"pid\": %d, \"tid\": 0, \"ts\": %.3f, ", rank_,
+                now());
+  std::lock_guard<std::mutex> lk(mu_);
+  buf_ += head;
+  buf_ += "\"cat\": \"step\", \"name\": \"" + escape(name) + "\"}";
+  if (buf_.size() >= kFlushBytes) flush_locked();
+}
+
+void Timeline::flush_locked() {
+  if (file_ == nullptr || buf_.empty()) return;
+  std::fwrite(buf_.data(), 1, buf_.size(), file_);
+  std::fflush(file_);
+  buf_.clear();
+}
+
+void Timeline::close() {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (file_ == nullptr) return;
+  on_ = false;
+  buf_ += "\n]\n";
+  flush_locked();
+  std::fclose(file_);
+  file_ = nullptr;
+}
+
+}  // namespace fastxfer
