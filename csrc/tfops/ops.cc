@@ -69,6 +69,8 @@ struct Pending {
 std::mutex g_mu;
 std::unordered_map<int64_t, Pending> g_pending;
 std::atomic<int64_t> g_next_handle{1};
+std::atomic<int64_t> g_forwarded{0}, g_allocated{0};
+std::atomic<int64_t> g_submitted{0};  // requests handed to the engine  // allreduce/broadcast submits: in place or not
 
 // RAII TF_Status.
 struct Status {
@@ -268,7 +270,9 @@ void submit_compute(void* kernel, TF_OpKernelContext* ctx) {
     dst = tf.TF_TensorData(out);
     if (forwarded == 0) {
       src = dst;  // in place: the gradient's own buffer
+      g_forwarded.fetch_add(1, std::memory_order_relaxed);
     } else {
+      g_allocated.fetch_add(1, std::memory_order_relaxed);
       tf.TF_GetInput(ctx, 0, &in, st.s);
       if (!st.ok()) {
         tf.TF_DeleteTensor(out);
@@ -309,6 +313,7 @@ void submit_compute(void* kernel, TF_OpKernelContext* ctx) {
   char err[2048];
   err[0] = '\0';
   int32_t rc = api->submit(&q, on_engine_done, reinterpret_cast<void*>(static_cast<intptr_t>(handle)), err, sizeof err);
+  if (rc == FX_OK) g_submitted.fetch_add(1, std::memory_order_relaxed);
   if (rc != FX_OK) {
     Pending refused;
     {
@@ -499,6 +504,18 @@ __attribute__((visibility("default"))) const char* fastxfer_tfops_connect(const 
     return "fastxfer._core and the op library come from different fastxfer builds (reinstall fastxfer)";
   fastxfer::tfops::g_api.store(api, std::memory_order_release);
   return "";
+}
+
+// How many allreduce/broadcast submits reduced in place (TensorFlow forwarded the input) and how
+// many needed a second buffer (observability: docs/tensorflow.md, the tests).
+__attribute__((visibility("default"))) void fastxfer_tfops_buffers(int64_t* forwarded, int64_t* allocated) {
+  *forwarded = fastxfer::tfops::g_forwarded.load();
+  *allocated = fastxfer::tfops::g_allocated.load();
+}
+
+// Collectives the ops have handed to the engine so far (fastxfer.tensorflow.submitted).
+__attribute__((visibility("default"))) int64_t fastxfer_tfops_submitted() {
+  return fastxfer::tfops::g_submitted.load(std::memory_order_relaxed);
 }
 
 // Collectives submitted but not yet waited for (tests: nothing may stay behind).

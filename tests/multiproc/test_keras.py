@@ -58,16 +58,27 @@ def test_bucket_cap_per_request():
 
 def test_bench_train_smoke(tmp_path):
     out = tmp_path / "train.json"
+    timeline = tmp_path / "timeline.json"
     r = run_command([sys.executable, "-m", "fastxfer.cli", "bench", "train", "--steps", "2", "--warmup", "1",
-                     "--no-peers", "--model", "MobileNetV3Small", "--json", str(out)], timeout=900,
-                    env={**os.environ, **ENV})
+                     "--no-peers", "--model", "MobileNetV3Small", "--fixed-steps", "5", "--timeline", str(timeline),
+                     "--json", str(out)], timeout=1200, env={**os.environ, **ENV})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(out.read_text())
     names = [x["name"] for x in res["results"]]
     assert names[0] == "alone (1 worker)" and "fastxfer bf16" in names and "no-comm (2 independent workers)" in names
+    assert "one process, every core, batch 32" in names and "fastxfer bf16, numpy_function bridge" in names
+    alone = res["results"][0]["ms_per_step"]
     for x in res["results"]:
-        assert x["ms_per_step"] > 0 and abs(x["efficiency"] - res["results"][0]["ms_per_step"] / x["ms_per_step"]) < 1e-9
-    assert "scaling efficiency" in r.stdout and "| fastxfer bf16 | 2 |" in r.stdout
+        assert x["ms_per_step"] > 0
+        assert x["efficiency"] == pytest.approx((x["images_per_step"] / x["ms_per_step"]) / (x["workers"] * 16 / alone))
+    wide = next(x for x in res["results"] if x["name"] == "one process, every core, batch 32")
+    assert wide["workers"] == 1 and wide["images_per_step"] == 32
+    targets = {t["target"] for t in res["targets"]}
+    assert any("no-comm ceiling" in t for t in targets) and any("fixed per-step cost" in t for t in targets)
+    assert "scaling efficiency" in r.stdout and "| fastxfer bf16 | 2 | 32 |" in r.stdout
+    events = json.loads(timeline.read_text())  # the bf16 run's timeline: valid Chrome trace, with buckets
+    assert any(e.get("name", "").startswith("bucket") for e in events)
+    assert json.loads((tmp_path / "timeline.1.json").read_text())
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tf_keras") is None, reason="tf-keras not installed")

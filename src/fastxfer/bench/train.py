@@ -5,17 +5,26 @@ worker; 1 worker vs 2 workers, side by side in one run:
 - ``alone``: one worker, no communication, 1 intra-op and 1 inter-op thread (the reference for
   scaling efficiency: the same thread budget as each of the 2 workers); also shown with
   TensorFlow's default inter-op threads (it then uses both cores);
+- ``one process, every core``: what a user would run instead -- one plain TensorFlow process,
+  unbound, TensorFlow's default threads -- at the 2 workers' global batch (2 x batch) and at
+  the per-worker batch;
 - ``no-comm``: 2 workers training independently (each bound to its own core): what the machine
   allows before any communication, i.e. the ceiling of scaling efficiency here;
 - ``fastxfer none`` / ``fastxfer bf16``: 2 workers, ``fastxfer.keras.DistributedOptimizer``;
-  also bf16 with ``FASTXFER_TF_PIN=1`` (submits pinned into the backward pass even though each
-  worker has one core and no spare one for the engine; the default, auto, does not pin then);
+  also bf16 through the ``tf.numpy_function`` bridge (``FASTXFER_TF_NATIVE=0``, what the native
+  ops replaced) and bf16 with ``FASTXFER_TF_PIN=1`` (submits pinned into the backward pass even
+  though each worker has one core and no spare one for the engine; the default, auto, does not
+  pin then);
+- ``fixed cost``: a model of ten small tensors (five Dense(16) layers), 2 workers without
+  communication against fastxfer: what a step pays for communication when there is almost
+  nothing to send;
 - ``MWMS``: tf.distribute.MultiWorkerMirroredStrategy with tf-keras (Keras 3's fails inside
   model.fit, keras-team/keras#20585), 2 worker processes over gRPC on localhost;
 - ``Horovod``: where ``horovod.tensorflow.keras`` imports (it does not build against TF 2.21).
 
 Scaling efficiency = 2-worker images/s / (2 x 1-worker images/s). Step times are medians over
-the timed steps (after warm-up steps that trace and build).
+the timed steps (after warm-up steps that trace and build). ``--timeline PATH`` writes the
+fastxfer bf16 run's timeline (FASTXFER_TIMELINE) to PATH.
 """
 
 from __future__ import annotations
@@ -40,20 +49,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image-size", type=int, default=32)
     p.add_argument("--model", default="ResNet50", help="a keras.applications model name (default ResNet50)")
     p.add_argument("--no-peers", action="store_true", help="skip MultiWorkerMirroredStrategy and Horovod")
+    p.add_argument("--timeline", metavar="PATH", help="write the fastxfer bf16 run's timeline (Chrome trace) here")
+    p.add_argument("--fixed-steps", type=int, default=300, help="timed steps of the fixed-cost rows (default 300)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON ('-' for stdout)")
 
 
-def _worker(args, kind: str, out: str, *extra: str) -> list[str]:
+def _worker(args, kind: str, out: str, *extra: str, batch: int | None = None, model: str | None = None,
+            steps: int | None = None) -> list[str]:
     """The train_worker command for one run; every run gets its own result files `out.<rank>`."""
-    return worker_command("train_worker", "--kind", kind, *extra, "--steps", str(args.steps), "--warmup",
-                          str(args.warmup), "--batch", str(args.batch), "--image-size", str(args.image_size),
-                          "--model", args.model, "--out", out)
+    return worker_command("train_worker", "--kind", kind, *extra, "--steps", str(steps or args.steps), "--warmup",
+                          str(args.warmup), "--batch", str(batch or args.batch), "--image-size", str(args.image_size),
+                          "--model", model or args.model, "--out", out)
 
 
-def _run_fastxfer(args, tmp: str, kind: str, np_: int) -> list[list[float]]:
-    out = os.path.join(tmp, f"fastxfer-{kind}")
-    cmd = launcher_command(np_, "--bind", "socket") + _worker(args, f"fastxfer:{kind}", out)
-    env = dict(os.environ, **({"FASTXFER_TF_PIN": "1"} if kind.endswith("-pin") else {}))
+def _run_fastxfer(args, tmp: str, kind: str, np_: int, batch: int | None = None, bind: bool = True,
+                  model: str | None = None, steps: int | None = None, env_extra: dict | None = None) -> list[list[float]]:
+    out = os.path.join(tmp, f"fastxfer-{kind}-{batch}-{model}")
+    cmd = launcher_command(np_, *(["--bind", "socket"] if bind else [])) + _worker(
+        args, f"fastxfer:{kind}", out, batch=batch, model=model, steps=steps)
+    env = dict(os.environ, **({"FASTXFER_TF_PIN": "1"} if kind.endswith("-pin") else {}), **(env_extra or {}))
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, cwd=tempfile.gettempdir(), env=env)
     res = [p["times"] for p in read_results(out, np_)]
     if r.returncode != 0 or len(res) != np_:
@@ -109,12 +123,24 @@ def main(args: argparse.Namespace) -> int:
 def _main(args: argparse.Namespace, tmp: str) -> int:
     machine = machine_info()
     rows = []  # (name, workers, ms/step)
+    wide = 2 * args.batch
+    timeline = {"FASTXFER_TIMELINE": os.path.abspath(args.timeline)} if args.timeline else {}
     plan = [("alone (1 worker)", lambda: _run_fastxfer(args, tmp, "alone", 1), 1),
             ("alone, default inter-op threads", lambda: _run_fastxfer(args, tmp, "alone-interop", 1), 1),
+            (f"one process, every core, batch {wide}", lambda: _run_fastxfer(args, tmp, "wide", 1, wide, False), 1),
+            (f"one process, every core, batch {args.batch}", lambda: _run_fastxfer(args, tmp, "wide", 1, None, False), 1),
             ("no-comm (2 independent workers)", lambda: _run_fastxfer(args, tmp, "nocomm", 2), 2),
             ("fastxfer none", lambda: _run_fastxfer(args, tmp, "none", 2), 2),
-            ("fastxfer bf16", lambda: _run_fastxfer(args, tmp, "bf16", 2), 2),
+            ("fastxfer bf16", lambda: _run_fastxfer(args, tmp, "bf16", 2, env_extra=timeline), 2),
+            ("fastxfer bf16, numpy_function bridge",
+             lambda: _run_fastxfer(args, tmp, "bf16", 2, env_extra={"FASTXFER_TF_NATIVE": "0"}), 2),
             ("fastxfer bf16, submits pinned", lambda: _run_fastxfer(args, tmp, "bf16-pin", 2), 2)]
+    fixed = [("fixed cost: no-comm, 10 small tensors", "nocomm", {}),
+             ("fixed cost: fastxfer none, 10 small tensors", "none", {}),
+             ("fixed cost: fastxfer none, numpy_function bridge", "none", {"FASTXFER_TF_NATIVE": "0"})]
+    for name, kind, env in fixed:
+        plan.append((name, lambda kind=kind, env=env: _run_fastxfer(args, tmp, kind, 2, model="tiny",
+                                                                    steps=args.fixed_steps, env_extra=env), 2))
     if not args.no_peers:
         if importlib.util.find_spec("tf_keras") is not None:
             plan.append(("MWMS (tf-keras)", lambda: _run_mwms(args, tmp), 2))
@@ -140,37 +166,65 @@ def _main(args: argparse.Namespace, tmp: str) -> int:
     by = {name: (n, ms) for name, n, ms in rows}
     mwms = by.get("MWMS (tf-keras)")
     for name, n, ms in rows:
-        ips = n * args.batch / ms * 1e3
-        eff = alone / ms  # (n*B/ms) / (n * B/alone)
+        if name.startswith("fixed cost"):
+            continue
+        images = wide if name == f"one process, every core, batch {wide}" else n * args.batch
+        ips = images / ms * 1e3
+        eff = (images / ms) / (n * args.batch / alone)  # against n bound workers at 1 worker's speed
         vs_mwms = (mwms[1] / ms) if mwms and n == 2 else None
-        table.append([name, str(n), f"{ms:.1f}", f"{ips:.1f}", f"{eff * 100:.0f}%",
+        table.append([name, str(n), str(images), f"{ms:.1f}", f"{ips:.1f}", f"{eff * 100:.0f}%",
                       f"{vs_mwms:.2f}x" if vs_mwms else "-"])
-        results.append({"name": name, "workers": n, "ms_per_step": ms, "images_per_s": ips, "efficiency": eff,
-                        "vs_mwms": vs_mwms})
-    cols = ["run", "workers", "ms/step", "images/s", "scaling eff.", "throughput vs MWMS"]
+        results.append({"name": name, "workers": n, "images_per_step": images, "ms_per_step": ms,
+                        "images_per_s": ips, "efficiency": eff, "vs_mwms": vs_mwms})
+    cols = ["run", "workers", "images/step", "ms/step", "images/s", "scaling eff.", "throughput vs MWMS"]
     caption = (f"{machine['cpu']}, {machine['cpus']} CPUs, {machine['date']}; {args.model} {args.image_size}x"
                f"{args.image_size}, batch {args.batch}/worker, 1 intra-op thread/worker, median of {args.steps} steps")
     print_table("Keras training throughput, 1 vs 2 workers", cols, table, caption)
+    fixed_rows = [[name, f"{ms * 1e3:.0f}"] for name, n, ms in rows if name.startswith("fixed cost")]
+    if fixed_rows:
+        print_table("Fixed per-step cost (5 x Dense(16): 10 tensors, 2 workers)", ["run", "us/step"], fixed_rows,
+                    f"median of {args.fixed_steps} steps")
     bf16 = by.get("fastxfer bf16")
+    none = by.get("fastxfer none")
     nocomm = by.get("no-comm (2 independent workers)")
+    wide_run = by.get(f"one process, every core, batch {wide}")
     targets, notes = [], []
     if bf16:
         eff = alone / bf16[1]
-        targets.append(target("scaling efficiency with bf16", eff, 0.75, eff >= 0.75))
+        targets.append(target("fastxfer bf16: scaling efficiency against one bound worker", eff, 0.88, eff >= 0.88))
+        if nocomm:
+            r = nocomm[1] / bf16[1]
+            targets.append(target("fastxfer bf16: throughput / no-comm ceiling", r, 0.92, r >= 0.92))
+        if wide_run:
+            r = wide_run[1] / bf16[1]
+            targets.append(target(f"fastxfer bf16 (2 x {args.batch}) / one process on every core (batch {wide})",
+                                  r, 0.8, r >= 0.8))
+            if nocomm:
+                notes.append(f"the ceiling against that process: 2 workers without communication reach "
+                             f"{wide_run[1] / nocomm[1]:.2f}x its throughput")
         hv = by.get("Horovod")
         if hv:
             targets.append(target("throughput vs Horovod (2 workers)", hv[1] / bf16[1], 2.0, hv[1] / bf16[1] >= 2))
         else:
             notes.append("Horovod not measured (not installed): no ratio against it")
+        bridge = by.get("fastxfer bf16, numpy_function bridge")
+        if bridge:
+            notes.append(f"the native TensorFlow ops save {bridge[1] - bf16[1]:.1f} ms/step over the numpy_function "
+                         f"bridge ({bridge[1] / bf16[1]:.2f}x)")
         if nocomm:
-            notes.append(f"ceiling here: 2 workers without any communication reach {alone / nocomm[1] * 100:.0f}% "
-                         f"scaling efficiency; fastxfer bf16 adds {bf16[1] - nocomm[1]:.1f} ms/step over them")
-        wide = by.get("alone, default inter-op threads")
-        if wide:
-            notes.append(f"one worker with TensorFlow's default inter-op threads (both cores) runs {wide[1]:.1f} "
-                         f"ms/step; against it, fastxfer bf16's efficiency is {wide[1] / bf16[1] * 100:.0f}%")
+            notes.append(f"fastxfer bf16 adds {bf16[1] - nocomm[1]:.1f} ms/step over 2 workers without communication")
         if mwms:
             notes.append(f"fastxfer bf16 throughput = {mwms[1] / bf16[1]:.2f}x MultiWorkerMirroredStrategy's")
+    if none and nocomm:
+        r = nocomm[1] / none[1]
+        targets.append(target("fastxfer none: throughput / no-comm ceiling", r, 0.85, r >= 0.85))
+    fx_fixed = by.get("fixed cost: fastxfer none, 10 small tensors")
+    nc_fixed = by.get("fixed cost: no-comm, 10 small tensors")
+    if fx_fixed and nc_fixed:
+        us = (fx_fixed[1] - nc_fixed[1]) * 1e3
+        targets.append(target("fixed per-step cost of 10 small tensors (us over no-comm)", us, 300, us <= 300))
+    if args.timeline:
+        notes.append(f"timeline of the fastxfer bf16 run: {args.timeline} (rank 0; other ranks beside it)")
     print_targets(targets)
     for n in notes:
         print(f"  note: {n}")

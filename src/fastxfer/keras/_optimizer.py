@@ -98,12 +98,13 @@ def install_trainer_hook() -> None:
 
     def make_train_function(self, force=False):
         _no_xla_for(self)
-        fn = original(self, force=force)
-        if _uses_fastxfer(self) and fx.is_initialized() and group.engine().timeline_enabled \
+        ret = original(self, force=force)
+        fn = self.train_function  # Keras sets it (and may return nothing)
+        if fn is not None and _uses_fastxfer(self) and fx.is_initialized() and group.engine().timeline_enabled \
                 and not getattr(fn, "_fastxfer_marked", False):
-            fn = _marked_steps(fn)
-            self.train_function = fn
-        return fn
+            self.train_function = _marked_steps(fn)
+            return self.train_function if ret is not None else ret
+        return ret
 
     make_train_function._fastxfer_hook = True
     make_train_function.__doc__ = original.__doc__

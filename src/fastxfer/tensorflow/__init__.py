@@ -17,9 +17,9 @@ from fastxfer.tensorflow.tape import DistributedGradientTape, reduce_gradients
 
 
 def __getattr__(name):
-    # `submitted` is a counter that ops keeps incrementing: a re-export would freeze its value
+    # `submitted` is a live counter (collectives handed to the engine so far): read it afresh each time
     if name == "submitted":
-        return ops.submitted
+        return ops.submitted_count()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

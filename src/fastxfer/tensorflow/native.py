@@ -80,11 +80,32 @@ def reason() -> str | None:
     return _reason
 
 
-def pending() -> int:
-    """Collectives submitted through the native ops and not yet waited for (this process)."""
+def _c():
     import ctypes
 
-    return int(ctypes.CDLL(PATH).fastxfer_tfops_pending()) if _lib is not None else 0
+    return ctypes.CDLL(PATH)  # the library TensorFlow loaded (same path: no second copy)
+
+
+def pending() -> int:
+    """Collectives submitted through the native ops and not yet waited for (this process)."""
+    return int(_c().fastxfer_tfops_pending()) if _lib is not None else 0
+
+
+def submitted() -> int:
+    """Collectives the native ops have handed to the engine in this process (read at run time)."""
+    return int(_c().fastxfer_tfops_submitted()) if _lib is not None else 0
+
+
+def buffers() -> dict:
+    """How many allreduce/broadcast submits so far reduced in place (TensorFlow forwarded the
+    tensor's buffer) and how many needed a buffer of their own, in this process."""
+    import ctypes
+
+    if _lib is None:
+        return {"in_place": 0, "allocated": 0}
+    f, a = ctypes.c_int64(), ctypes.c_int64()
+    _c().fastxfer_tfops_buffers(ctypes.byref(f), ctypes.byref(a))
+    return {"in_place": f.value, "allocated": a.value}
 
 
 def _bits(x: float) -> int:

@@ -37,7 +37,13 @@ class Compression:
 
 
 _handles: dict[int, object] = {}
-submitted = 0  # collectives handed to the engine by this module so far (observability, tests)
+_bridge_submitted = 0  # collectives the tf.numpy_function bridge handed to the engine so far
+
+
+def submitted_count() -> int:
+    """Collectives on tensors handed to the engine so far in this process, counted when they run
+    (native ops and the numpy_function bridge together): observability, tests."""
+    return _bridge_submitted + native.submitted()
 _handle_ids = itertools.count(1)
 _lock = threading.Lock()
 _trace_names = itertools.count()
@@ -89,11 +95,11 @@ def _submit(kind, x: np.ndarray, name: str, op: str, compression: str, prescale:
     else:
         h = None
         result = fx.allgather(x, name=name)
-    global submitted
+    global _bridge_submitted
     with _lock:
         hid = next(_handle_ids)
         _handles[hid] = h if h is not None else result
-        submitted += 1
+        _bridge_submitted += 1
     return hid
 
 
@@ -170,12 +176,6 @@ def _eager(fn):
         raise err from None
 
 
-def _count(n: int) -> None:
-    global submitted
-    with _lock:
-        submitted += n
-
-
 def _eager_grouped(ts, names, op, compression, prescale, postscale, order, bucket_cap_mb) -> list:
     """Native ops, eagerly: every submit in `order`, then every wait."""
     settings = [allreduce_settings(_np_dtype(t), op, compression, prescale, postscale, bucket_cap_mb) for t in ts]
@@ -185,7 +185,6 @@ def _eager_grouped(ts, names, op, compression, prescale, postscale, order, bucke
         for i in order:
             o, c, pre, post, cap = settings[i]
             subs[i] = native.submit(ts[i], "allreduce", names[i], o, c, 0, pre, post, cap)
-            _count(1)
         return [native.wait(*subs[i]) for i in range(len(ts))]
 
     return _eager(run)
@@ -204,7 +203,6 @@ def submit_grouped(tensors, names, op, compression, prescale, postscale, order=N
             o, c, pre, post, cap = allreduce_settings(_np_dtype(t), op, compression, prescale, postscale, bucket_cap_mb)
             handles[i] = chained(graph, lambda t=t, name=names[i], o=o, c=c, pre=pre, post=post, cap=cap: native.submit(
                 t, "allreduce", name, o, c, 0, pre, post, cap)[1])
-            _count(1)
         return handles
     for i in order:
         t, name = tensors[i], names[i]
@@ -266,7 +264,6 @@ def _native_single(kind, t, name, root):
 
     def run():
         out, h = native.submit(t, kind, name, root=int(root))
-        _count(1)
         return native.wait_gather(out, h) if kind == "allgather" else native.wait(out, h)
 
     if tf.executing_eagerly():
@@ -274,7 +271,6 @@ def _native_single(kind, t, name, root):
     graph = _graph_checks(kind)
     pair = {}
     chained(graph, lambda: pair.setdefault("h", native.submit(t, kind, name, root=int(root)))[1])
-    _count(1)
     out, h = pair["h"]
     if kind == "allgather":
         r = native.wait_gather(out, h)

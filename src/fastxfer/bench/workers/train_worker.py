@@ -1,8 +1,9 @@
 """One worker of ``fastxfer bench train``: trains a keras.applications model on random data with
 one intra-op thread and writes the per-step times of the timed steps to ``OUT.<rank>``.
 
-``--kind fastxfer:<run>`` (under ``fastxfer run``; run = alone, alone-interop, nocomm, none, bf16,
-fp16 or bf16-pin), ``--kind mwms --rank R`` (tf.distribute.MultiWorkerMirroredStrategy with
+``--kind fastxfer:<run>`` (under ``fastxfer run``; run = alone, alone-interop, wide (TensorFlow's
+default threads, unbound), nocomm, none, bf16, fp16 or bf16-pin; ``--model tiny``: five Dense(16)
+layers on 16 features, the fixed-cost model), ``--kind mwms --rank R`` (tf.distribute.MultiWorkerMirroredStrategy with
 tf-keras, TF_CONFIG set by the driver) or ``--kind horovod`` (under horovodrun), e.g.
 ``python -m fastxfer.bench.workers.train_worker --kind fastxfer:bf16 --steps 20 --out /tmp/t``.
 """
@@ -15,7 +16,7 @@ import time
 
 from fastxfer.bench.harness import write_result
 
-NO_COMM = ("alone", "alone-interop", "nocomm")  # fastxfer runs without a DistributedOptimizer
+NO_COMM = ("alone", "alone-interop", "nocomm", "wide")  # fastxfer runs without a DistributedOptimizer
 
 
 def threads_one(inter_op: int | None = 1) -> None:
@@ -31,6 +32,8 @@ def data(args, seed):
 
     rng = np.random.default_rng(seed)
     n = args.batch * (args.steps + args.warmup)
+    if args.model == "tiny":
+        return rng.random((n, 16), dtype=np.float32), rng.random((n, 16), dtype=np.float32)
     x = rng.random((n, args.image_size, args.image_size, 3), dtype=np.float32)
     y = rng.integers(0, 10, n).astype(np.int32)
     return x, y
@@ -65,15 +68,21 @@ def run_fastxfer(args) -> None:
     kind = args.kind.split(":", 1)[1]
     if kind.endswith("-pin"):
         kind = kind[:-len("-pin")]  # FASTXFER_TF_PIN=1 came in the environment
-    threads_one(None if kind == "alone-interop" else 1)
+    if kind != "wide":
+        threads_one(None if kind == "alone-interop" else 1)
     import keras
 
-    model = getattr(keras.applications, args.model)(weights=None, input_shape=(args.image_size,) * 2 + (3,),
-                                                     classes=10)
+    if args.model == "tiny":
+        model = keras.Sequential([keras.Input((16,))] + [keras.layers.Dense(16) for _ in range(5)])
+        loss = "mse"
+    else:
+        model = getattr(keras.applications, args.model)(weights=None, input_shape=(args.image_size,) * 2 + (3,),
+                                                         classes=10)
+        loss = "sparse_categorical_crossentropy"
     opt = keras.optimizers.SGD(0.01, momentum=0.9)
     if kind not in NO_COMM:
         opt = hvd.DistributedOptimizer(opt, compression=kind)
-    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
+    model.compile(optimizer=opt, loss=loss)
     x, y = data(args, hvd.rank())
     if kind not in NO_COMM:
         hvd.broadcast_variables(model.variables, root_rank=0)
