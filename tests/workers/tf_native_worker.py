@@ -1,0 +1,161 @@
+"""Worker for tests/multiproc/test_tf_native.py (started by `fastxfer run`): the same programs
+through fastxfer's native TensorFlow ops or the tf.numpy_function bridge (FASTXFER_TF_NATIVE),
+results saved for a bit-for-bit comparison; buffer forwarding; the timeline."""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import fastxfer.tensorflow as hvd  # noqa: E402
+from fastxfer.tensorflow import native  # noqa: E402
+
+
+def inputs(r):
+    rng = np.random.default_rng(10 + r)
+    x = (rng.standard_normal((37, 11)) * 3).astype(np.float32)
+    return {
+        "f32": x,
+        "f64": rng.standard_normal(29),
+        "f16": x[:5].astype(np.float16),
+        "bf16": tf.cast(x[:7], tf.bfloat16).numpy(),
+        "i32": rng.integers(-1000, 1000, 41).astype(np.int32),
+        "i64": rng.integers(-2**40, 2**40, 13),
+    }
+
+
+def programs(out):
+    """Eager and traced collectives of every dtype and wire format, then a Keras 3 fit; every
+    result goes to OUT.<rank>.npz."""
+    r = hvd.rank()
+    ins = inputs(r)
+    got = {}
+    for k, v in ins.items():
+        t = tf.constant(v)
+        for op in ("sum", "min", "max") + (("average",) if k not in ("i32", "i64") else ()):
+            got[f"eager.{k}.{op}"] = hvd.allreduce(t, op=op, name=f"e.{k}.{op}").numpy()
+    for c in ("bf16", "fp16"):
+        got[f"eager.f32.{c}"] = hvd.allreduce(tf.constant(ins["f32"]), op="average", compression=c,
+                                              prescale_factor=0.5, postscale_factor=3.0).numpy()
+    got["eager.bcast"] = hvd.broadcast(tf.constant(ins["f64"]), root_rank=1).numpy()
+    got["eager.gather"] = hvd.allgather(tf.constant(ins["i32"][: 5 + 3 * r])).numpy()
+
+    @tf.function
+    def graph(a, b, c):
+        red = hvd.grouped_allreduce([a, b, c], op="average", names=["g.a", "g.b", "g.c"])
+        red += hvd.grouped_allreduce([a, a * 3.0], op="average", compression="bf16", names=["g.d", "g.e"])
+        s = hvd.allreduce(a * 2.0, op="sum", compression="fp16", name="g.sum")
+        bb = hvd.broadcast(c, root_rank=0, name="g.bcast")
+        gg = hvd.allgather(a[: 3 + r], name="g.gather")
+        return red + [s, bb, gg]
+
+    for step in range(2):
+        for i, v in enumerate(graph(tf.constant(ins["f32"]), tf.constant(ins["f16"]), tf.constant(ins["bf16"]))):
+            got[f"graph.{step}.{i}"] = v.numpy()
+
+    import keras
+
+    import fastxfer.keras as khvd
+
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential([keras.Input((11,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)])
+    model.compile(optimizer=khvd.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9), compression="bf16"),
+                  loss="mse")
+    rng = np.random.default_rng(r)
+    model.fit(rng.standard_normal((64, 11)).astype(np.float32), rng.standard_normal((64, 3)).astype(np.float32),
+              batch_size=16, epochs=2, shuffle=False, verbose=0)
+    for i, w in enumerate(model.get_weights()):
+        got[f"keras.{i}"] = w
+    _save(out, r, got)
+
+
+def legacy(out):
+    """tf-keras (TF_USE_LEGACY_KERAS=1): DistributedOptimizer with fp16 compression, a few steps."""
+    r = hvd.rank()
+    import fastxfer.keras as khvd
+
+    keras = tf.keras
+    keras.utils.set_random_seed(6)
+    model = keras.Sequential([keras.Input((11,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)])
+    model.compile(optimizer=khvd.DistributedOptimizer(keras.optimizers.SGD(0.05), compression="fp16"), loss="mse")
+    rng = np.random.default_rng(r)
+    model.fit(rng.standard_normal((64, 11)).astype(np.float32), rng.standard_normal((64, 3)).astype(np.float32),
+              batch_size=16, epochs=2, shuffle=False, verbose=0)
+    _save(out, r, {f"tfkeras.{i}": w for i, w in enumerate(model.get_weights())})
+
+
+def _save(out, r, got):
+    np.savez(f"{out}.{r}.npz", **{k: np.asarray(v) for k, v in got.items()})
+    print(f"OK programs rank {r} native={native.library() is not None} pending={native.pending()}", flush=True)
+
+
+def forwarding():
+    """A gradient's buffer is reduced in place only when nothing else reads it: a tensor that
+    another op reads after the reduction still holds its own values; eager inputs are untouched."""
+    r, n = hvd.rank(), hvd.size()
+    assert native.library() is not None, native.reason()
+    x = np.arange(1000, dtype=np.float32) + r
+    own = (x * 2.0).astype(np.float32)
+    total = sum((np.arange(1000, dtype=np.float32) + k) * 2.0 for k in range(n)).astype(np.float32)
+
+    @tf.function
+    def shared(t):
+        g = t * 2.0                      # a fresh buffer...
+        red = hvd.allreduce(g, op="sum", name="fw.shared")
+        with tf.control_dependencies([red]):
+            later = tf.identity(g) + 0.0  # ...that another op reads after the reduction
+        return red, later
+
+    before = native.buffers()
+    red, later = shared(tf.constant(x))
+    assert np.array_equal(red.numpy(), total), "wrong sum"
+    assert np.array_equal(later.numpy(), own), "a reader of the gradient saw the reduced values"
+    mid = native.buffers()
+    assert mid["allocated"] == before["allocated"] + 1, (before, mid)  # it could not be forwarded
+
+    @tf.function
+    def alone(t):
+        return hvd.allreduce(t * 2.0, op="sum", name="fw.alone")  # nobody else holds t * 2
+
+    assert np.array_equal(alone(tf.constant(x)).numpy(), total)
+    after = native.buffers()
+    assert after["in_place"] == mid["in_place"] + 1, (mid, after)  # reduced in its own buffer
+
+    t = tf.constant(x)
+    assert np.array_equal(hvd.allreduce(t, op="sum").numpy(), total / 2.0)
+    assert np.array_equal(t.numpy(), x), "an eager input was overwritten"
+    print(f"OK forwarding rank {r} {after}", flush=True)
+
+
+def timeline():
+    """Keras 3 fit with FASTXFER_TIMELINE set (by the test): every gradient reaches the file."""
+    import keras
+
+    import fastxfer.keras as khvd
+
+    r = hvd.rank()
+    keras.utils.set_random_seed(7)
+    model = keras.Sequential([keras.Input((8,))] + [keras.layers.Dense(8) for _ in range(3)])
+    model.compile(optimizer=khvd.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+    model.fit(np.ones((24, 8), np.float32), np.zeros((24, 8), np.float32), batch_size=8, epochs=1, verbose=0)
+    print("OK timeline rank %d vars %s" % (r, json.dumps([v.path for v in model.trainable_variables])), flush=True)
+    khvd.shutdown()  # writes the file
+
+
+if __name__ == "__main__":
+    hvd.init()
+    what = sys.argv[1]
+    if what == "programs":
+        programs(sys.argv[2])
+    elif what == "legacy":
+        legacy(sys.argv[2])
+    elif what == "forwarding":
+        forwarding()
+    elif what == "timeline":
+        timeline()
+    else:
+        raise SystemExit(f"unknown test {what!r}")
