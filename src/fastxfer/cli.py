@@ -11,7 +11,8 @@ BENCHMARKS = {
     "allreduce": "nccl-tests-style allreduce sweep vs torch gloo, mpi4py, Horovod; alpha-beta model",
     "pipeline": "input pipeline images/s vs tf.data, PIL and decode alone",
     "placement": "2-worker training-like step: unbound vs pinned engine vs --bind numa",
-    "train": "Keras ResNet-50 training, 1 vs 2 workers: fastxfer vs MultiWorkerMirroredStrategy, Horovod",
+    "train": "Keras ResNet-50 training, 1 vs 2 workers: fastxfer vs one process on every core, MWMS, Horovod",
+    "timeline": "one training step of a timeline (FASTXFER_TIMELINE) as a picture and a summary",
 }
 
 
