@@ -109,7 +109,7 @@ void bind_engine(py::module_& m) {
       .def(py::init([](const std::string& name, int rank, int size, size_t window_bytes, size_t oob_bytes,
                        double timeout_s, double attach_timeout_s, int threads, std::vector<int> cpus,
                        size_t bucket_cap_bytes, int max_records, size_t stream_min_bytes, py::object inter_host,
-                       const std::string& timeline_path, int timeline_rank) {
+                       const std::string& timeline_path, int timeline_rank, double spin_us) {
              JobConfig job;
              job.shm.name = name;
              job.shm.rank = rank;
@@ -119,6 +119,7 @@ void bind_engine(py::module_& m) {
              job.shm.timeout_s = timeout_s;
              job.shm.attach_timeout_s = attach_timeout_s;
              job.shm.max_records = max_records;
+             job.shm.spin_us = spin_us;
              job.threads = threads;
              job.stream_min_bytes = stream_min_bytes;
              job.engine.bucket_cap_bytes = bucket_cap_bytes;
@@ -134,7 +135,8 @@ void bind_engine(py::module_& m) {
            py::arg("name"), py::arg("rank"), py::arg("size"), py::arg("window_bytes"), py::arg("oob_bytes"),
            py::arg("timeout_s"), py::arg("attach_timeout_s"), py::arg("threads"), py::arg("cpus"),
            py::arg("bucket_cap_bytes"), py::arg("max_records"), py::arg("stream_min_bytes"),
-           py::arg("inter_host") = py::none(), py::arg("timeline_path") = "", py::arg("timeline_rank") = 0)
+           py::arg("inter_host") = py::none(), py::arg("timeline_path") = "", py::arg("timeline_rank") = 0,
+           py::arg("spin_us") = 50.0)
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("size", &Engine::size)
       .def_property_readonly("oob_capacity", &Engine::oob_capacity)

@@ -70,7 +70,8 @@ std::mutex g_mu;
 std::unordered_map<int64_t, Pending> g_pending;
 std::atomic<int64_t> g_next_handle{1};
 std::atomic<int64_t> g_forwarded{0}, g_allocated{0};
-std::atomic<int64_t> g_submitted{0};  // requests handed to the engine  // allreduce/broadcast submits: in place or not
+std::atomic<int64_t> g_submitted{0};  // requests handed to the engine
+std::atomic<int64_t> g_allocated_bytes{0};  // allreduce/broadcast submits: in place or not
 
 // RAII TF_Status.
 struct Status {
@@ -273,6 +274,7 @@ void submit_compute(void* kernel, TF_OpKernelContext* ctx) {
       g_forwarded.fetch_add(1, std::memory_order_relaxed);
     } else {
       g_allocated.fetch_add(1, std::memory_order_relaxed);
+      g_allocated_bytes.fetch_add(static_cast<int64_t>(tf.TF_TensorByteSize(out)), std::memory_order_relaxed);
       tf.TF_GetInput(ctx, 0, &in, st.s);
       if (!st.ok()) {
         tf.TF_DeleteTensor(out);
@@ -508,9 +510,11 @@ __attribute__((visibility("default"))) const char* fastxfer_tfops_connect(const 
 
 // How many allreduce/broadcast submits reduced in place (TensorFlow forwarded the input) and how
 // many needed a second buffer (observability: docs/tensorflow.md, the tests).
-__attribute__((visibility("default"))) void fastxfer_tfops_buffers(int64_t* forwarded, int64_t* allocated) {
+__attribute__((visibility("default"))) void fastxfer_tfops_buffers(int64_t* forwarded, int64_t* allocated,
+                                                                   int64_t* allocated_bytes) {
   *forwarded = fastxfer::tfops::g_forwarded.load();
   *allocated = fastxfer::tfops::g_allocated.load();
+  *allocated_bytes = fastxfer::tfops::g_allocated_bytes.load();
 }
 
 // Collectives the ops have handed to the engine so far (fastxfer.tensorflow.submitted).

@@ -242,13 +242,20 @@ void ShmSegment::check_peers(int waiting_for, const char* what, double waited_s)
 
 void ShmSegment::wait_one(int j, Phase phase, uint32_t target, const char* what) {
   shm::Counter& c = counter(j, phase);
-  for (int spin = 0; spin < 2000; ++spin) {
-    if (shm::reached(c.value.load(std::memory_order_acquire), target)) return;
-#if defined(__x86_64__)
-    __builtin_ia32_pause();
-#endif
-  }
+  if (shm::reached(c.value.load(std::memory_order_acquire), target)) return;
+  // Spin a little (a peer a few microseconds behind costs no system call), then sleep on the
+  // futex: a rank that waits long for a slower peer must not take a core from the computation.
   double start = now_s();
+  if (cfg_.spin_us > 0) {
+    const double until = start + cfg_.spin_us * 1e-6;
+    for (int spin = 1;; ++spin) {
+      if (shm::reached(c.value.load(std::memory_order_acquire), target)) return;
+#if defined(__x86_64__)
+      __builtin_ia32_pause();
+#endif
+      if ((spin & 63) == 0 && now_s() > until) break;
+    }
+  }
   for (;;) {
     uint32_t v = c.value.load(std::memory_order_acquire);
     if (shm::reached(v, target)) return;

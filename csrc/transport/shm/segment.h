@@ -22,6 +22,7 @@ struct ShmConfig {
   int max_records = 1024;           // request descriptors one negotiation round can carry
   double timeout_s = 300;           // a peer that does not answer for this long is a failure
   double attach_timeout_s = 120;    // how long ranks wait for each other at start-up
+  double spin_us = 50;              // how long a wait spins before it sleeps (FASTXFER_SPIN_US)
 };
 
 // The counters each rank publishes, one per protocol phase. What a phase means is the business of

@@ -169,6 +169,21 @@ def timeline_path(rank: int) -> str:
     return f"{root}.{rank}{ext}"
 
 
+def spin_us() -> float:
+    """FASTXFER_SPIN_US: how long a wait for a peer spins before it sleeps (default 50 us,
+    chosen by measurement: docs/architecture.md); 0 sleeps at once."""
+    v = os.environ.get("FASTXFER_SPIN_US", "").strip()
+    if not v:
+        return 50.0
+    try:
+        f = float(v)
+    except ValueError:
+        raise FastxferError(f"environment variable FASTXFER_SPIN_US={v!r} is not a number") from None
+    if not 0 <= f <= 1e6:
+        raise FastxferError(f"FASTXFER_SPIN_US={v!r} must be between 0 and 1000000")
+    return f
+
+
 def mark(name: str) -> None:
     """A step mark on the timeline (FASTXFER_TIMELINE); does nothing without a timeline."""
     eng = _engine
@@ -210,7 +225,8 @@ def init(*, timeout: float | None = None, engine_cpus: list[int] | str | None = 
         topology.apply_thread_settings()  # TensorFlow's thread counts from `fastxfer run --bind`, if loaded
         _engine = _core.Engine(layout.segment, layout.local_rank, layout.local_size, window, oob, float(timeout),
                                _float_env("FASTXFER_ATTACH_TIMEOUT", 120), threads, cpus, cap, 1024,
-                               max(0, stream_min), layout.inter_host, timeline_path(layout.rank), layout.rank)
+                               max(0, stream_min), layout.inter_host, timeline_path(layout.rank), layout.rank,
+                               spin_us())
         _engine.make_current()  # what the native TensorFlow ops submit to (engine/c_api.h)
         _layout = layout
 

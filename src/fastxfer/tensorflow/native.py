@@ -98,14 +98,14 @@ def submitted() -> int:
 
 def buffers() -> dict:
     """How many allreduce/broadcast submits so far reduced in place (TensorFlow forwarded the
-    tensor's buffer) and how many needed a buffer of their own, in this process."""
+    tensor's buffer) and how many needed a buffer of their own (and its bytes), in this process."""
     import ctypes
 
     if _lib is None:
-        return {"in_place": 0, "allocated": 0}
-    f, a = ctypes.c_int64(), ctypes.c_int64()
-    _c().fastxfer_tfops_buffers(ctypes.byref(f), ctypes.byref(a))
-    return {"in_place": f.value, "allocated": a.value}
+        return {"in_place": 0, "allocated": 0, "allocated_bytes": 0}
+    f, a, b = ctypes.c_int64(), ctypes.c_int64(), ctypes.c_int64()
+    _c().fastxfer_tfops_buffers(ctypes.byref(f), ctypes.byref(a), ctypes.byref(b))
+    return {"in_place": f.value, "allocated": a.value, "allocated_bytes": b.value}
 
 
 def _bits(x: float) -> int:
