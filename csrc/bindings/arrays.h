@@ -39,6 +39,7 @@ void bind_fusion(py::module_& m);
 void bind_engine(py::module_& m);
 void bind_topology(py::module_& m);
 void bind_data(py::module_& m);
+void bind_pool(py::module_& m);
 
 }  // namespace bindings
 }  // namespace fastxfer
