@@ -40,6 +40,7 @@ void bind_engine(py::module_& m);
 void bind_c_api(py::module_& m);  // engine.cc: the C interface for the TensorFlow op library
 void bind_topology(py::module_& m);
 void bind_data(py::module_& m);
+void bind_pool(py::module_& m);
 
 }  // namespace bindings
 }  // namespace fastxfer

@@ -1,11 +1,12 @@
-// fastxfer._core: the pybind11 module. It binds; it holds no logic. One file per area
-// (kernels.cc, fusion.cc, engine.cc, topology.cc, data.cc); this one maps the core's error types
-// to fastxfer's Python exceptions and chooses the SIMD level at import.
+// fastxfer._core: the pybind11 module. It binds; it holds no logic. One file per area (kernels.cc,
+// fusion.cc, engine.cc, topology.cc, data.cc, pool.cc); this one maps the core's error types to
+// fastxfer's Python exceptions and applies the environment's settings (SIMD level, pool cap) at import.
 #include <pybind11/pybind11.h>
 
 #include <stdexcept>
 
 #include "bindings/arrays.h"
+#include "bindings/pool.h"
 #include "common/errors.h"
 #include "kernels/compress.h"
 #include "topology/topology.h"
@@ -40,9 +41,11 @@ PYBIND11_MODULE(_core, m) {
     }
   });
 
-  // FASTXFER_SIMD=<level> forces a lower kernel path; a bad value fails the import.
+  // FASTXFER_SIMD=<level> forces a lower kernel path, FASTXFER_OUTPUT_POOL_MB caps the output
+  // pool; a bad value fails the import.
   try {
     init_simd_level_from_env();
+    init_pool_from_env();
   } catch (const std::invalid_argument& e) {
     throw py::import_error(e.what());
   }
@@ -53,4 +56,5 @@ PYBIND11_MODULE(_core, m) {
   bindings::bind_c_api(m);
   bindings::bind_topology(m);
   bindings::bind_data(m);
+  bindings::bind_pool(m);
 }

@@ -29,9 +29,11 @@ void shm_allreduce(ShmContext& c, const AllreduceJob& job, const ShardHook& betw
   const size_t align = 64 / es;
   const size_t own_es = dtype_size(b.dtype);
   // Read my own contribution straight from my tensors when no pre-scaling is needed and the
-  // reduction kernel has a direct form for this dtype pair.
+  // reduction kernel has a direct form for this dtype pair (float tensors on their own wire
+  // format, bf16/fp16 included; float32 tensors on a compressed wire).
   const bool direct = !between && job.prescale == 1.0 &&
-                      ((b.dtype == b.wire_dtype && (b.dtype == DType::kFloat32 || b.dtype == DType::kFloat64)) ||
+                      ((b.dtype == b.wire_dtype && (b.dtype == DType::kFloat32 || b.dtype == DType::kFloat64 ||
+                                                    b.dtype == DType::kBFloat16 || b.dtype == DType::kFloat16)) ||
                        (b.dtype == DType::kFloat32 && b.wire_dtype != DType::kFloat32));
   // Chunk: half a window, split into one 64-byte-aligned shard per rank.
   // Chunks hold the same number of elements whatever the wire format (a compressed chunk uses

@@ -70,6 +70,15 @@ struct Fp16 {
   }
 };
 
+// a + b with a's NaN (quieted) in the lanes where a is NaN: scalar_loops::add_ordered, 8 lanes.
+inline __m256 add_ordered(__m256 a, __m256 b) {
+  __m256 v = _mm256_add_ps(a, b);
+  __m256 a_nan = _mm256_cmp_ps(a, a, _CMP_UNORD_Q);
+  if (__builtin_expect(_mm256_movemask_ps(a_nan) != 0, 0))
+    v = _mm256_blendv_ps(v, _mm256_or_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(0x00400000))), a_nan);
+  return v;
+}
+
 // The AVX2 path ignores stream_stores(): a 32-byte non-temporal store fills half a line, and with
 // other stores in between the write-combining buffer is flushed half full (measured 2x slower in
 // the two-rank reduce). The AVX-512 path streams whole 64-byte lines.
@@ -105,7 +114,7 @@ template <class C>
 void accumulate(float* acc, const uint16_t* src, size_t n) {
   size_t i = 0;
   for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), C::dec(load8(src + i))));
+    _mm256_storeu_ps(acc + i, add_ordered(_mm256_loadu_ps(acc + i), C::dec(load8(src + i))));
   scalar_loops::accumulate<typename C::Scalar>(acc + i, src + i, n - i);
 }
 
@@ -129,6 +138,37 @@ void sum2_direct(const float* own, const uint16_t* peer, uint16_t* dst, float* o
   }
   scalar_loops::sum2_direct<typename C::Scalar>(own + i, peer + i, dst + i, out + i, n - i, scale);
 }
+
+template <class C>
+void sum2_wire(const uint16_t* a, const uint16_t* b, uint16_t* dst, uint16_t* out, size_t n, float scale) {
+  const bool do_scale = scale != 1.0f;
+  const __m256 s = _mm256_set1_ps(scale);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = add_ordered(C::dec(load8(a + i)), C::dec(load8(b + i)));
+    __m128i d = C::enc(do_scale ? _mm256_mul_ps(v, s) : v);
+    store8(dst + i, d);
+    if (out) store8(out + i, d);
+  }
+  scalar_loops::sum2_wire<typename C::Scalar>(a + i, b + i, dst + i, out ? out + i : nullptr, n - i, scale);
+}
+
+// (acc < x || isnan(acc)) ? acc : x, with the predicate given as a vcmpps immediate (LT or GT).
+template <class C, int kPredicate>
+inline void minmax_accumulate(float* acc, const uint16_t* src, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 a = _mm256_loadu_ps(acc + i), x = C::dec(load8(src + i));
+    __m256 keep = _mm256_or_ps(_mm256_cmp_ps(a, x, kPredicate), _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+    _mm256_storeu_ps(acc + i, _mm256_blendv_ps(x, a, keep));
+  }
+  if (kPredicate == _CMP_LT_OQ) scalar_loops::min_accumulate<typename C::Scalar>(acc + i, src + i, n - i);
+  else scalar_loops::max_accumulate<typename C::Scalar>(acc + i, src + i, n - i);
+}
+template <class C>
+void min_accumulate(float* acc, const uint16_t* src, size_t n) { minmax_accumulate<C, _CMP_LT_OQ>(acc, src, n); }
+template <class C>
+void max_accumulate(float* acc, const uint16_t* src, size_t n) { minmax_accumulate<C, _CMP_GT_OQ>(acc, src, n); }
 
 void sum2_f32(const float* a, const float* b, float* dst, float* out, size_t n, float scale) {
   const bool do_scale = scale != 1.0f;

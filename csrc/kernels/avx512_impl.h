@@ -81,6 +81,16 @@ struct Fp16 {
   }
 };
 
+// a + b with a's NaN (quieted) in the lanes where a is NaN: scalar_loops::add_ordered, 16 lanes.
+inline __m512 add_ordered(__m512 a, __m512 b) {
+  __m512 v = _mm512_add_ps(a, b);
+  __mmask16 a_nan = nan_mask(a);
+  if (__builtin_expect(a_nan != 0, 0))
+    v = _mm512_mask_mov_ps(v, a_nan, _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(a),
+                                                                         _mm512_set1_epi32(0x00400000))));
+  return v;
+}
+
 // Runs f(i, k, full, stream) over [0, n) in steps of 16 floats. With streaming stores on, the
 // head is peeled with a masked step until `out` is 64-byte aligned, and the aligned middle is
 // flagged `stream` (the caller then uses _mm512_stream_ps), followed by a fence.
@@ -150,10 +160,10 @@ template <class C>
 void accumulate(float* acc, const uint16_t* src, size_t n) {
   size_t i = 0;
   for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(acc + i, _mm512_add_ps(_mm512_loadu_ps(acc + i), C::dec(load16(src + i))));
+    _mm512_storeu_ps(acc + i, add_ordered(_mm512_loadu_ps(acc + i), C::dec(load16(src + i))));
   if (i < n) {
     __mmask16 k = tail_mask(n - i);
-    __m512 x = _mm512_add_ps(_mm512_maskz_loadu_ps(k, acc + i), C::dec(load16(src + i, k)));
+    __m512 x = add_ordered(_mm512_maskz_loadu_ps(k, acc + i), C::dec(load16(src + i, k)));
     _mm512_mask_storeu_ps(acc + i, k, x);
   }
 }
@@ -181,6 +191,72 @@ void sum2_direct(const float* own, const uint16_t* peer, uint16_t* dst, float* o
     store_f32(out + i, C::dec(d), k, full, stream);
   });
 }
+
+inline __mmask32 tail_mask32(size_t r) { return static_cast<__mmask32>((uint64_t(1) << r) - 1u); }
+
+// for_each_16 for 16-bit outputs: steps of 32 values, one 64-byte line each, so a streamed `out`
+// is written in whole lines as well. `out` may be null (nothing to stream then).
+template <class F>
+inline void for_each_32(size_t n, const uint16_t* out, F&& f) {
+  size_t i = 0;
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(out);
+  if (out && stream_stores() && n >= kStreamMinElements && (addr & 1) == 0) {
+    size_t peel = ((64 - (addr & 63)) & 63) / 2;
+    if (peel) f(size_t(0), tail_mask32(peel), false, false);
+    for (i = peel; i + 32 <= n; i += 32) f(i, __mmask32(0xffffffffu), true, true);
+    _mm_sfence();
+  }
+  for (; i + 32 <= n; i += 32) f(i, __mmask32(0xffffffffu), true, false);
+  if (i < n) f(i, tail_mask32(n - i), false, false);
+}
+
+inline __m512i load32(const uint16_t* p, __mmask32 k, bool full) {
+  return full ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(k, p);
+}
+inline __m256i lo16(__m512i v) { return _mm512_castsi512_si256(v); }
+inline __m256i hi16(__m512i v) { return _mm512_extracti64x4_epi64(v, 1); }
+
+template <class C>
+void sum2_wire(const uint16_t* a, const uint16_t* b, uint16_t* dst, uint16_t* out, size_t n, float scale) {
+  const bool do_scale = scale != 1.0f;
+  const __m512 s = _mm512_set1_ps(scale);
+  for_each_32(n, out, [&](size_t i, __mmask32 k, bool full, bool stream) {
+    const __m512i va = load32(a + i, k, full), vb = load32(b + i, k, full);
+    __m512 lo = add_ordered(C::dec(lo16(va)), C::dec(lo16(vb)));
+    __m512 hi = add_ordered(C::dec(hi16(va)), C::dec(hi16(vb)));
+    if (do_scale) {
+      lo = _mm512_mul_ps(lo, s);
+      hi = _mm512_mul_ps(hi, s);
+    }
+    const __m512i d = _mm512_inserti64x4(_mm512_castsi256_si512(C::enc(lo)), C::enc(hi), 1);
+    if (full) _mm512_storeu_si512(dst + i, d);
+    else _mm512_mask_storeu_epi16(dst + i, k, d);
+    if (out == nullptr) return;
+    if (stream) _mm512_stream_si512(reinterpret_cast<__m512i*>(out + i), d);
+    else if (full) _mm512_storeu_si512(out + i, d);
+    else _mm512_mask_storeu_epi16(out + i, k, d);
+  });
+}
+
+// (acc < x || isnan(acc)) ? acc : x, with the predicate given as a vcmpps immediate (LT or GT).
+template <class C, int kPredicate>
+inline void minmax_accumulate(float* acc, const uint16_t* src, size_t n) {
+  auto step = [&](size_t i, __mmask16 k, bool full) {
+    const __m512 a = full ? _mm512_loadu_ps(acc + i) : _mm512_maskz_loadu_ps(k, acc + i);
+    const __m512 x = C::dec(full ? load16(src + i) : load16(src + i, k));
+    const __mmask16 keep = _mm512_cmp_ps_mask(a, x, kPredicate) | _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+    const __m512 r = _mm512_mask_blend_ps(keep, x, a);
+    if (full) _mm512_storeu_ps(acc + i, r);
+    else _mm512_mask_storeu_ps(acc + i, k, r);
+  };
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) step(i, __mmask16(0xffff), true);
+  if (i < n) step(i, tail_mask(n - i), false);
+}
+template <class C>
+void min_accumulate(float* acc, const uint16_t* src, size_t n) { minmax_accumulate<C, _CMP_LT_OQ>(acc, src, n); }
+template <class C>
+void max_accumulate(float* acc, const uint16_t* src, size_t n) { minmax_accumulate<C, _CMP_GT_OQ>(acc, src, n); }
 
 void sum2_f32(const float* a, const float* b, float* dst, float* out, size_t n, float scale) {
   const bool do_scale = scale != 1.0f;

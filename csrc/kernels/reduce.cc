@@ -58,23 +58,36 @@ void reduce_native(ReduceOp op, const void* const* srcs, int nsrc, void* dst, si
   }
 }
 
-void reduce_16bit(ReduceOp op, const WireKernels& k, const void* const* srcs, int nsrc, void* dst, size_t n,
-                  float scale) {
-  float acc[kBlock], tmp[kBlock];
-  uint16_t* out = static_cast<uint16_t*>(dst);
+// The element-wise combine of one 16-bit source into the float32 accumulator (rank j > 0).
+inline void combine_16bit(ReduceOp op, const WireKernels& k, float* acc, const uint16_t* s, size_t m) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAverage: return k.accumulate(acc, s, m);
+    case ReduceOp::kMin: return k.min_accumulate(acc, s, m);
+    case ReduceOp::kMax: return k.max_accumulate(acc, s, m);
+  }
+}
+
+// Wire and tensors both bf16/fp16. `out`, when not null, receives the same bits as dst (this
+// rank's own tensor, for the direct form). Two ranks summing take one fused pass (sum2_wire);
+// otherwise each block is decoded into a float32 accumulator that stays in L1, combined rank by
+// rank, and rounded once.
+void reduce_16bit(ReduceOp op, const WireKernels& k, const void* const* srcs, int nsrc, void* dst, void* out,
+                  size_t n, float scale) {
+  uint16_t* d = static_cast<uint16_t*>(dst);
+  uint16_t* o = static_cast<uint16_t*>(out);
+  if (nsrc == 2 && (op == ReduceOp::kSum || op == ReduceOp::kAverage))
+    return k.sum2_wire(static_cast<const uint16_t*>(srcs[0]), static_cast<const uint16_t*>(srcs[1]), d, o, n, scale);
+  // The accumulator must stay in L1: decoding into it with streaming stores (on for a large
+  // bucket's outputs) would send every block to memory and back, 4x slower.
+  ScopedStreamStores cached(false);
+  float acc[kBlock];
   for (size_t b = 0; b < n; b += kBlock) {
     size_t m = std::min(kBlock, n - b);
     k.decompress(static_cast<const uint16_t*>(srcs[0]) + b, acc, m, 1.0f);
-    for (int j = 1; j < nsrc; ++j) {
-      const uint16_t* s = static_cast<const uint16_t*>(srcs[j]) + b;
-      if (op == ReduceOp::kSum || op == ReduceOp::kAverage) {
-        k.accumulate(acc, s, m);
-      } else {
-        k.decompress(s, tmp, m, 1.0f);
-        for (size_t i = 0; i < m; ++i) acc[i] = combine(op, acc[i], tmp[i]);
-      }
-    }
-    k.compress(acc, out + b, m, scale);
+    for (int j = 1; j < nsrc; ++j) combine_16bit(op, k, acc, static_cast<const uint16_t*>(srcs[j]) + b, m);
+    k.compress(acc, d + b, m, scale);
+    if (o) std::memcpy(o + b, d + b, m * sizeof(uint16_t));
   }
 }
 
@@ -92,7 +105,7 @@ void reduce_native_direct(ReduceOp op, const void* const* srcs, int nsrc, void* 
 // Wire bf16/fp16, own contribution float32 (rounded here), output float32.
 void reduce_16bit_direct(ReduceOp op, const WireKernels& k, const void* const* srcs, int nsrc, int self, void* dst,
                          void* out, size_t n, float scale) {
-  float acc[kBlock], tmp[kBlock];
+  float acc[kBlock];
   uint16_t own16[kBlock];
   uint16_t* d = static_cast<uint16_t*>(dst);
   float* o = static_cast<float*>(out);
@@ -102,12 +115,10 @@ void reduce_16bit_direct(ReduceOp op, const WireKernels& k, const void* const* s
     for (int j = 0; j < nsrc; ++j) {
       const uint16_t* s = j == self ? own16 : static_cast<const uint16_t*>(srcs[j]) + b;
       if (j == 0) {
+        ScopedStreamStores cached(false);  // the accumulator stays in L1 (see reduce_16bit)
         k.decompress(s, acc, m, 1.0f);
-      } else if (op == ReduceOp::kSum || op == ReduceOp::kAverage) {
-        k.accumulate(acc, s, m);
       } else {
-        k.decompress(s, tmp, m, 1.0f);
-        for (size_t i = 0; i < m; ++i) acc[i] = combine(op, acc[i], tmp[i]);
+        combine_16bit(op, k, acc, s, m);
       }
     }
     k.compress(acc, d + b, m, scale);
@@ -139,6 +150,11 @@ void reduce_block_direct(ReduceOp op, DType wire, DType own, const void* const* 
       case DType::kFloat32:
         return reduce_native_direct<float, float>(op, srcs, nsrc, dst, out, n, static_cast<float>(scale));
       case DType::kFloat64: return reduce_native_direct<double, double>(op, srcs, nsrc, dst, out, n, scale);
+      case DType::kBFloat16:
+      case DType::kFloat16:
+        // bf16/fp16 tensors: srcs[self] is this rank's own tensor, already in the wire format
+        return reduce_16bit(op, wire == DType::kBFloat16 ? k.bf16 : k.fp16, srcs, nsrc, dst, out, n,
+                            static_cast<float>(scale));
       default: break;
     }
   } else if (own == DType::kFloat32 && (wire == DType::kBFloat16 || wire == DType::kFloat16)) {
@@ -162,8 +178,8 @@ void reduce_block(ReduceOp op, DType wire, const void* const* srcs, int nsrc, vo
       if (wire == DType::kInt32) reduce_native<int32_t, int32_t>(op, srcs, nsrc, dst, n, 1);
       else reduce_native<int64_t, int64_t>(op, srcs, nsrc, dst, n, 1);
       break;
-    case DType::kBFloat16: reduce_16bit(op, k.bf16, srcs, nsrc, dst, n, static_cast<float>(scale)); break;
-    case DType::kFloat16: reduce_16bit(op, k.fp16, srcs, nsrc, dst, n, static_cast<float>(scale)); break;
+    case DType::kBFloat16: reduce_16bit(op, k.bf16, srcs, nsrc, dst, nullptr, n, static_cast<float>(scale)); break;
+    case DType::kFloat16: reduce_16bit(op, k.fp16, srcs, nsrc, dst, nullptr, n, static_cast<float>(scale)); break;
   }
 }
 

@@ -119,6 +119,22 @@ def unpack(bucket: Bucket, buffer: np.ndarray, outs: Sequence[np.ndarray], scale
            threads: int = 0) -> None:
     """Split a packed buffer into ``outs`` (one per tensor), decompressing and scaling on the way."""
 
+# ---- output pool (bindings/pool.cc) ----------------------------------------------------------
+
+def pool_empty(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised, writable, C-contiguous array whose page-aligned memory comes from the output
+    pool and returns to it when the array and all its views are gone (``array.base`` holds it)."""
+
+def output_pool_stats() -> dict[str, int]:
+    """cap_bytes, cached_bytes, cached_buffers, live_bytes, live_buffers, hits, misses, evictions,
+    bad_releases (releases of buffers that were not live: refused)."""
+
+def set_output_pool_cap(bytes: int) -> None:
+    """Cap the bytes kept cached (0: cache nothing; FASTXFER_OUTPUT_POOL_MB sets it at import)."""
+
+def output_pool_trim() -> None:
+    """Unmap every cached buffer (live arrays are untouched)."""
+
 # ---- the collective engine -------------------------------------------------------------------
 
 class CommStats:

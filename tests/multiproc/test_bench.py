@@ -16,3 +16,41 @@ def test_bench_placement_runs_all_configurations(tmp_path):
     assert rows[0]["speedup"] == 1.0 and all(row["step_ms"] > 0 for row in rows)
     # bound workers really ran on one CPU each (the plan splits this machine's cores)
     assert len(rows[2]["rank0_cpus"]) < len(rows[0]["rank0_cpus"]) or len(rows[0]["rank0_cpus"]) == 1
+
+
+def _deepspeed_segments():
+    import os
+
+    return {n for n in os.listdir("/dev/shm") if n.startswith("deepspeed_allreduce_buffer_")}
+
+
+def test_bench_allreduce_rows_targets_and_deepspeed(tmp_path):
+    """The fastxfer rows (out=, fresh output, native bf16 arrays) are all exact; DeepSpeed's rows run
+    where it is installed (and leave no /dev/shm segment behind), else the skip says why."""
+    import importlib.util
+
+    before = _deepspeed_segments()
+    out = tmp_path / "a.json"
+    r = run_command(fastxfer_cmd() + ["bench", "allreduce", "-b", "64K", "-e", "128K", "-f", "2", "--iters-scale",
+                                      "0.1", "--peers", "fastxfer,deepspeed", "--json", str(out)],
+                    timeout=900, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    rows = {(row["impl"], row["bytes"]): row for row in res["rows"]}
+    labels = ["fastxfer none", "fastxfer bf16", "fastxfer fp16", "fastxfer none fresh", "fastxfer bf16 array",
+              "fastxfer bf16 array fresh"]
+    if importlib.util.find_spec("deepspeed") is not None:
+        assert "deepspeed" not in res["skipped"], res["skipped"]
+        labels += ["deepspeed fp32", "deepspeed bf16"]
+        assert _deepspeed_segments() <= before  # cleaned up after it
+        assert any(t["target"].startswith("fastxfer bf16 array fresh busbw >= deepspeed bf16") for t in res["targets"])
+    else:
+        assert res["skipped"]["deepspeed"].startswith("not installed")
+    for label in labels:
+        for nbytes in (65536, 131072):
+            row = rows[(label, nbytes)]
+            assert row["wrong"] == 0 and row["p50"] > 0, row
+            assert row["dtype"] == ("bfloat16" if label.endswith(("array", "array fresh", "bf16")) and
+                                    not label == "fastxfer bf16" else "float32"), row
+    names = {t["target"].split(" at ")[0] for t in res["targets"]}
+    assert {"fresh output busbw >= 0.9x out= busbw", "bf16 array elements/s >= float32 elements/s"} <= names

@@ -18,6 +18,26 @@ def test_compressed_allreduce_matches_its_exact_contract(np_):
     assert_ok(launch(np_, W, "compressed"), np_, "compressed")
 
 
+def test_bf16_fp16_arrays_exact_bits_on_every_simd_level():
+    """bf16/fp16 arrays on 2 ranks, sum/average/min/max: hand-worked bit patterns (NaN, inf,
+    subnormals, rounding ties, overflow, signed zeros) on every kernel path, and the same digest of
+    random-bit-pattern results on every path as on the scalar reference."""
+    import fastxfer as fx
+
+    digests = {}
+    for level in fx.supported_simd_levels():
+        r = launch(2, W, "bits16", env={"FASTXFER_SIMD": level})
+        lines = assert_ok(r, 2, "bits16")
+        assert all(f"OK bits16 {level} " in line for line in lines), lines
+        per_rank = [sorted(line.split("DIGEST ", 1)[1].rsplit(" rank", 1)[0] for line in r.stdout.splitlines()
+                           if "DIGEST " in line and line.rstrip().endswith(f"rank {k}")) for k in (0, 1)]
+        assert len(per_rank[0]) == 8 and per_rank[0] == per_rank[1], r.stdout  # both ranks hold the same result
+        digests[level] = per_rank[0]
+    assert "scalar" in digests
+    for level, got in digests.items():
+        assert got == digests["scalar"], f"{level} differs from the scalar reference"
+
+
 @pytest.mark.parametrize("np_", [2, 4])
 def test_broadcast_allgather_async_inplace_oob(np_):
     assert_ok(launch(np_, W, "collectives"), np_, "collectives")

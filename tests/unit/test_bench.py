@@ -54,3 +54,39 @@ def test_bench_pipeline_smoke(tmp_path):
         assert [k["kernel"] for k in res["kernels"]][0] == "fastxfer C++ resampler"
         assert res["kernels"][0]["vs_cpp"] == 1.0 and all(k["us_per_image"] > 0 for k in res["kernels"])
     assert {t["target"] for t in res["targets"]} >= {"train, 500x375: >= 70% of decode alone"}
+
+
+def test_bench_allreduce_removes_only_deepspeeds_segments_of_its_job():
+    """DeepSpeed never unlinks its /dev/shm segments; the benchmark removes exactly those of the job
+    it ran (named by uid, address, port and rank) and nothing else."""
+    import os
+
+    from fastxfer.bench.allreduce import remove_deepspeed_segments
+    from fastxfer.bench.workers.allreduce_worker import deepspeed_segments
+
+    port = 1  # no job listens there: these names are this test's alone
+    mine = deepspeed_segments(port, 3)
+    assert mine == [f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_1_{r}" for r in range(3)]
+    other = deepspeed_segments(2, 1)[0]
+    try:
+        for path in mine[:2] + [other]:
+            with open(path, "wb") as f:
+                f.write(b"x")
+        assert remove_deepspeed_segments(port, 3) == mine[:2]  # rank 2's never existed
+        assert not any(os.path.exists(p) for p in mine) and os.path.exists(other)
+    finally:
+        for path in mine + [other]:
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def test_bench_allreduce_says_why_a_peer_is_skipped(monkeypatch):
+    from fastxfer.bench import allreduce
+
+    monkeypatch.setattr(allreduce, "_installed", lambda m: m == "torch")
+    assert allreduce._missing("deepspeed").startswith("not installed (pip install deepspeed")
+    assert allreduce._missing("fastxfer") is None and allreduce._missing("gloo") is None
+    assert allreduce._missing("mpi4py") == "not installed"
+    monkeypatch.setattr(allreduce, "_installed", lambda m: m == "deepspeed")
+    assert allreduce._missing("deepspeed") == "deepspeed is installed but torch is not"
+    assert allreduce._missing("ncl").startswith("unknown peer")

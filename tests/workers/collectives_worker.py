@@ -91,6 +91,98 @@ def compressed():
     print(f"OK compressed on rank {r}")
 
 
+# Two ranks, bf16/fp16 arrays reduced as they are: (rank 0 bits, rank 1 bits, sum, average, min, max).
+# Every value is worked out by hand from the contract: decode to float32, combine in rank order (a
+# NaN on rank 0 wins over rank 1's; NaN + x is x86's quieted NaN; inf - inf is its default NaN,
+# 0xffc00000), scale by 1/2 for the average, round once to nearest-even. bf16 rounds every NaN to
+# 0x7fc0 | sign; fp16 keeps the NaN's top payload bits (numpy), so a min/max that only selects keeps
+# a signalling NaN as it is.
+BITS16 = {
+    "bfloat16": [
+        (0x3F80, 0x3B80, 0x3F80, 0x3F00, 0x3B80, 0x3F80),  # 1 + 2^-8: a tie, to even (down); average too
+        (0x3F81, 0x3B80, 0x3F82, 0x3F02, 0x3B80, 0x3F81),  # odd + half an ulp: a tie, to even (up)
+        (0x3F80, 0x3B81, 0x3F81, 0x3F01, 0x3B81, 0x3F80),  # just above the tie: up
+        (0x7F80, 0x3F80, 0x7F80, 0x7F80, 0x3F80, 0x7F80),  # inf + 1
+        (0x7F80, 0xFF80, 0xFFC0, 0xFFC0, 0xFF80, 0x7F80),  # inf - inf: the default NaN (negative)
+        (0x7FC1, 0x3F80, 0x7FC0, 0x7FC0, 0x7FC0, 0x7FC0),  # NaN on rank 0
+        (0x3F80, 0xFF81, 0xFFC0, 0xFFC0, 0xFFC0, 0xFFC0),  # signalling -NaN on rank 1
+        (0x7FC1, 0xFF81, 0x7FC0, 0x7FC0, 0x7FC0, 0x7FC0),  # NaN on both: rank 0's sign
+        (0xFF81, 0x7FC1, 0xFFC0, 0xFFC0, 0xFFC0, 0xFFC0),  # ... whichever it is
+        (0x7F7F, 0x7F7F, 0x7F80, 0x7F80, 0x7F7F, 0x7F7F),  # max + max overflows float32 itself
+        (0x0001, 0x0001, 0x0002, 0x0001, 0x0001, 0x0001),  # smallest subnormals
+        (0x0001, 0x8001, 0x0000, 0x0000, 0x8001, 0x0001),  # x - x = +0
+        (0x0003, 0x0000, 0x0003, 0x0002, 0x0000, 0x0003),  # 1.5 * 2^-133: a tie, to even (up)
+        (0x0001, 0x0000, 0x0001, 0x0000, 0x0000, 0x0001),  # 2^-134: below half, to 0
+        (0x007F, 0x0001, 0x0080, 0x0040, 0x0001, 0x007F),  # subnormal + subnormal = smallest normal
+        (0x8000, 0x0000, 0x0000, 0x0000, 0x0000, 0x0000),  # -0 + 0 = +0; min/max(-0, +0) is rank 1's +0
+        (0x0000, 0x8000, 0x0000, 0x0000, 0x8000, 0x8000),  # ... and rank 1's -0
+        (0x8000, 0x8000, 0x8000, 0x8000, 0x8000, 0x8000),  # -0 + -0 = -0
+    ],
+    "float16": [
+        (0x3C00, 0x1000, 0x3C00, 0x3800, 0x1000, 0x3C00),  # 1 + 2^-11: a tie, to even (down)
+        (0x3C01, 0x1000, 0x3C02, 0x3802, 0x1000, 0x3C01),  # odd + half an ulp: to even (up)
+        (0x3C00, 0x1001, 0x3C01, 0x3801, 0x1001, 0x3C00),  # just above the tie: up
+        (0x7C00, 0x3C00, 0x7C00, 0x7C00, 0x3C00, 0x7C00),  # inf + 1
+        (0x7C00, 0xFC00, 0xFE00, 0xFE00, 0xFC00, 0x7C00),  # inf - inf: the default NaN (negative)
+        (0x7E01, 0x3C00, 0x7E01, 0x7E01, 0x7E01, 0x7E01),  # quiet NaN on rank 0, payload kept
+        (0x3C00, 0xFC01, 0xFE01, 0xFE01, 0xFC01, 0xFC01),  # signalling -NaN on rank 1: quieted by the add
+        (0x7D00, 0xFE00, 0x7F00, 0x7F00, 0x7D00, 0x7D00),  # NaN on both: rank 0's (quieted by the add)
+        (0xFE00, 0x7D00, 0xFE00, 0xFE00, 0xFE00, 0xFE00),  # ... whichever it is
+        (0x7BFF, 0x7BFF, 0x7C00, 0x7BFF, 0x7BFF, 0x7BFF),  # 65504 + 65504 overflows; the average does not
+        (0x0001, 0x0001, 0x0002, 0x0001, 0x0001, 0x0001),  # smallest subnormals
+        (0x0001, 0x8001, 0x0000, 0x0000, 0x8001, 0x0001),  # x - x = +0
+        (0x0003, 0x0000, 0x0003, 0x0002, 0x0000, 0x0003),  # 1.5 * 2^-24: a tie, to even (up)
+        (0x0001, 0x0000, 0x0001, 0x0000, 0x0000, 0x0001),  # 2^-25: a tie, to even (0)
+        (0x03FF, 0x0001, 0x0400, 0x0200, 0x0001, 0x03FF),  # subnormal + subnormal = smallest normal
+        (0x8000, 0x0000, 0x0000, 0x0000, 0x0000, 0x0000),  # -0 + 0 = +0
+        (0x0000, 0x8000, 0x0000, 0x0000, 0x8000, 0x8000),
+        (0x8000, 0x8000, 0x8000, 0x8000, 0x8000, 0x8000),
+    ],
+}
+
+
+def bits16():
+    """bf16 and fp16 arrays on 2 ranks, every op: the hand-worked cases above at the start, in the
+    middle and at the end of both ranks' shards (SIMD bodies and tails), exact to the bit; random
+    finite values against numpy; and random bit patterns, whose digest the test compares across SIMD
+    levels (the scalar path is the reference)."""
+    import hashlib
+
+    r = fx.rank()
+    assert fx.size() == 2
+    n = 100_003  # several window chunks in the tests' small window; odd, so every tail length shows up
+    for name, cases in BITS16.items():
+        dtype = BF16 if name == "bfloat16" else np.dtype(np.float16)
+        table = np.array(cases, np.uint16)
+        k = len(table)
+        at = [0, 40_000 + 5, 70_000 + 17, n - k]  # rank 0's and rank 1's shards of both chunks, and the tail
+        rng = np.random.default_rng(11)
+        vals = [(rng.standard_normal(n) * 100).astype(dtype) for _ in range(2)]
+        mine = vals[r].view(np.uint16).copy()
+        for p in at:
+            mine[p:p + k] = table[:, r]
+        for col, op in enumerate(("sum", "average", "min", "max"), start=2):
+            got = fx.allreduce(mine.view(dtype), op=op)
+            assert got.dtype == dtype and got.shape == (n,)
+            g = got.view(np.uint16)
+            for p in at:
+                bad = [(f"{table[i, 0]:#06x} {table[i, 1]:#06x}: got {g[p + i]:#06x}, want {table[i, col]:#06x}")
+                       for i in range(k) if g[p + i] != table[i, col]]
+                assert not bad, f"{name} {op} at {p}: {bad}"
+            a32, b32 = (v.astype(np.float32) for v in vals)
+            want = {"sum": a32 + b32, "average": (a32 + b32) * np.float32(0.5), "min": np.minimum(a32, b32),
+                    "max": np.maximum(a32, b32)}[op].astype(dtype).view(np.uint16)
+            keep = np.ones(n, bool)
+            for p in at:
+                keep[p:p + k] = False
+            assert np.array_equal(g[keep], want[keep]), f"{name} {op}: {np.count_nonzero(g[keep] != want[keep])} wrong"
+            # random bit patterns (NaN payloads, infinities, subnormals everywhere)
+            noise = np.random.default_rng(100 + r).integers(0, 1 << 16, n, dtype=np.uint16)
+            res = fx.allreduce(noise.view(dtype), op=op)
+            print(f"DIGEST {name} {op} {hashlib.sha256(res.view(np.uint16).tobytes()).hexdigest()} rank {r}")
+    print(f"OK bits16 {fx.simd_level()} on rank {r}")
+
+
 def collectives():
     r, n_ranks = fx.rank(), fx.size()
     # broadcast from every root, several dtypes, larger than the window
@@ -253,6 +345,8 @@ if __name__ == "__main__":
         compressed()
     elif mode == "collectives":
         collectives()
+    elif mode == "bits16":
+        bits16()
     elif mode == "mismatch":
         mismatch(sys.argv[2])
     elif mode == "die":

@@ -1,6 +1,12 @@
 """``fastxfer bench allreduce``: nccl-tests-style allreduce benchmark, fastxfer side by side with
-torch.distributed (gloo, CPU), mpi4py ``Allreduce`` on the installed MPI, and Horovod where
-installed, all on the same ranks of this host.
+torch.distributed (gloo, CPU), mpi4py ``Allreduce`` on the installed MPI, Horovod, and DeepSpeed's
+shared-memory allreduce (``deepspeed.comm.inference_all_reduce``, CPU accelerator, in place on
+float32 and bfloat16 tensors, each rank pinned to a core and one OpenMP thread: its best setting
+here) where installed, all on the same ranks of this host.
+
+fastxfer rows: ``none``/``bf16``/``fp16`` (float32 arrays, that compression, into a reused
+``out=``), ``none fresh`` (a new result array per call, dropped before the next: a training
+loop), ``bf16 array`` / ``bf16 array fresh`` (ml_dtypes.bfloat16 arrays reduced as they are).
 
 Inputs are small integers, so every float32 sum is exact and ``#wrong`` counts elements that
 differ from the known result (bf16/fp16 carry small integers exactly too). algbw = bytes / time,
@@ -24,6 +30,7 @@ import numpy as np
 from fastxfer.bench.harness import (GB, free_port, launcher_command, machine_info, markdown_table, print_markdown,
                                     print_table, print_targets, pyplot, read_results, save_plot, status, target,
                                     worker_command, write_json)
+from fastxfer.bench.workers.allreduce_worker import deepspeed_segments
 
 
 def _sizes(b: int, e: int, f: int) -> list[int]:
@@ -48,13 +55,24 @@ def _launch(impl: str, np_: int, sizes: list[int], scale: float, tmp: str) -> tu
     else:
         env["BENCH_PORT"] = str(free_port())
         cmd = launcher_command(np_) + worker
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+    if impl == "deepspeed":
+        # one OpenMP thread per rank, as fastxfer's engine runs one thread per rank: with N ranks
+        # on N cores more threads only oversubscribe (DeepSpeed's kernels are `omp parallel for`)
+        env.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+    finally:
+        if impl == "deepspeed":
+            remove_deepspeed_segments(env["BENCH_PORT"], np_)
     if r.returncode != 0:
         tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
         return [], f"failed (exit {r.returncode}): {' | '.join(tail)}"
     per_rank = read_results(out, np_)
     if len(per_rank) != np_:
         return [], f"only {len(per_rank)} of {np_} ranks wrote results"
+    skips = sorted({p["skip"] for p in per_rank if "skip" in p})
+    if skips:
+        return [], "; ".join(skips)
     rows = []
     for i, row in enumerate(per_rank[0]["results"]):
         row = dict(row)
@@ -66,19 +84,55 @@ def _launch(impl: str, np_: int, sizes: list[int], scale: float, tmp: str) -> tu
     return rows, None
 
 
+def remove_deepspeed_segments(port, np_: int) -> list[str]:
+    """Unlinks the /dev/shm segments a DeepSpeed job on `port` left behind (it never unlinks its
+    own); returns the paths removed."""
+    removed = []
+    for path in deepspeed_segments(port, np_):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+PEERS = ("fastxfer", "gloo", "mpi4py", "horovod", "deepspeed")
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _missing(impl: str) -> str | None:
+    """Why `impl` cannot run here (None when it can)."""
+    if impl not in PEERS:
+        return f"unknown peer (expected one of {', '.join(PEERS)})"
+    if impl == "gloo" and not _installed("torch"):
+        return "not installed (pip install torch)"
+    if impl in ("mpi4py", "horovod") and not _installed(impl):
+        return "not installed"
+    if impl == "deepspeed":
+        if not _installed("deepspeed"):
+            return "not installed (pip install deepspeed; it needs torch, a C++ compiler and ninja)"
+        if not _installed("torch"):
+            return "deepspeed is installed but torch is not"
+    return None
+
+
 def run(np_: int = 2, b: int = 1 << 10, e: int = 64 << 20, f: int = 4, scale: float = 1.0,
-        peers: tuple[str, ...] = ("fastxfer", "gloo", "mpi4py", "horovod")) -> dict:
+        peers: tuple[str, ...] = PEERS) -> dict:
     sizes = _sizes(b, e, f)
     rows: list[dict] = []
     skipped: dict[str, str] = {}
-    available = {"fastxfer": True, "gloo": importlib.util.find_spec("torch") is not None,
-                 "mpi4py": importlib.util.find_spec("mpi4py") is not None,
-                 "horovod": importlib.util.find_spec("horovod") is not None}
     with tempfile.TemporaryDirectory(prefix="fastxfer-bench-") as tmp:
         for impl in peers:
-            if not available.get(impl, False):
-                skipped[impl] = "not installed"
+            why = _missing(impl)
+            if why:
+                skipped[impl] = why
                 continue
+            if impl == "deepspeed":
+                status("deepspeed: the first run JIT-builds its shm extension with ninja (a minute or two)")
             status(f"{impl}: {np_} ranks, {len(sizes)} sizes {sizes[0]}..{sizes[-1]} bytes")
             got, err = _launch(impl, np_, sizes, scale, tmp)
             if err:
@@ -99,19 +153,41 @@ def _at(rows, impl, nbytes):
     return None
 
 
+def _human(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB" if nbytes >= 1 << 10 else f"{nbytes} B"
+
+
 def _targets(rows, big) -> list[dict]:
     out = []
+    at = _human(big)
     fx_none = _at(rows, "fastxfer none", big)
     for peer, need in (("torch gloo", 5.0), ("horovod", 4.0)):
         p = _at(rows, peer, big)
         if fx_none and p:
             ratio = fx_none["busbw"] / p["busbw"]
-            out.append(target(f"fastxfer busbw >= {need:g}x {peer} at {big >> 20} MB", ratio, need, ratio >= need))
+            out.append(target(f"fastxfer busbw >= {need:g}x {peer} at {at}", ratio, need, ratio >= need))
     fx_bf16 = _at(rows, "fastxfer bf16", big)
     if fx_none and fx_bf16:
         ratio = fx_none["p50"] / fx_bf16["p50"]
-        out.append(target(f"bf16-compressed faster than uncompressed at {big >> 20} MB (speed-up)", ratio, 1.0,
+        out.append(target(f"bf16-compressed faster than uncompressed at {at} (speed-up)", ratio, 1.0,
                           ratio > 1.0))
+    fresh = _at(rows, "fastxfer none fresh", big)
+    if fx_none and fresh:
+        ratio = fresh["busbw"] / fx_none["busbw"]
+        out.append(target(f"fresh output busbw >= 0.9x out= busbw at {at}", ratio, 0.9, ratio >= 0.9))
+    array16 = _at(rows, "fastxfer bf16 array", big)
+    if fx_none and array16:
+        # time per element: a bf16 array of the same bytes holds twice the elements
+        ratio = (fx_none["p50"] / (big // 4)) / (array16["p50"] / (big // 2))
+        out.append(target(f"bf16 array elements/s >= float32 elements/s at {at}", ratio, 1.0,
+                          ratio >= 1.0))
+    for mine, peer in (("fastxfer none fresh", "deepspeed fp32"), ("fastxfer bf16 array fresh", "deepspeed bf16")):
+        pairs = [(r["bytes"], r["busbw"] / p["busbw"]) for r in rows
+                 if r["impl"] == mine and r["bytes"] >= 64 << 10 and (p := _at(rows, peer, r["bytes"]))]
+        if pairs:
+            nbytes, ratio = min(pairs, key=lambda t: t[1])
+            text = f"{mine} busbw >= {peer} at every size from 64 KiB (worst: {_human(nbytes)})"
+            out.append(target(text, ratio, 1.0, ratio >= 1.0))
     return out
 
 
@@ -245,7 +321,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-e", "--maxbytes", default="64M", help="largest message (default 64M)")
     p.add_argument("-f", "--stepfactor", type=int, default=4, help="size multiplier between steps (default 4)")
     p.add_argument("--iters-scale", type=float, default=1.0, help="scale the iteration counts")
-    p.add_argument("--peers", default="fastxfer,gloo,mpi4py,horovod", help="implementations to run")
+    p.add_argument("--peers", default=",".join(PEERS), help=f"implementations to run (default {','.join(PEERS)})")
     p.add_argument("--json", metavar="PATH", help="write results as JSON (- for stdout)")
     p.add_argument("--plot", metavar="PNG", help="busbw vs size, and the cost model")
     p.add_argument("--markdown", action="store_true", help="also print markdown tables (for bench/RESULTS.md)")

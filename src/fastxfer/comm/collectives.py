@@ -10,6 +10,7 @@ import threading
 
 import numpy as np
 
+from fastxfer import _core
 from fastxfer import _validate as check
 from fastxfer.comm import group
 
@@ -24,6 +25,19 @@ def _forget() -> None:
     with _lock:
         _counters.clear()
         _keepalive.clear()
+
+
+# Results from this size up come from the output pool (csrc/bindings/pool.h): a buffer freed with
+# an earlier result is reused instead of fresh memory, which would be faulted in and zeroed by the
+# kernel on every call (docs/architecture.md, "Fresh outputs"). Below it np.empty_like is as fast.
+_POOL_MIN_BYTES = 64 << 10
+
+
+def _fresh_like(a: np.ndarray) -> np.ndarray:
+    """A new, uninitialised, C-contiguous array of a's shape and dtype, owned by the caller."""
+    if a.nbytes >= _POOL_MIN_BYTES:
+        return _core.pool_empty(a.shape, a.dtype)
+    return np.empty_like(a)
 
 
 def _auto_name(kind: str) -> str:
@@ -89,7 +103,9 @@ def allreduce_async(array, op: str = "average", compression: str = "none", name:
     ``op``: sum, average, min or max. ``compression``: none, bf16 or fp16 — float32 only: the data
     travels rounded to 16 bits and is reduced in float32 (results carry the 16-bit rounding error,
     see docs/algorithms.md). ``prescale``/``postscale`` multiply before / after the reduction.
-    ``out``: write the result there instead of a new array (``out=array`` reduces in place).
+    ``out``: write the result there instead of a new array (``out=array`` reduces in place). A new
+    array's memory comes from the output pool (FASTXFER_OUTPUT_POOL_MB): drop results you no
+    longer need and the next call of the same size reuses their memory.
     The input must stay unchanged until ``wait()`` returns. ``bucket_cap_mb``: the fusion bucket
     cap for this request (consecutive requests fuse only when their caps agree; every rank must
     pass the same value); None uses ``init``'s.
@@ -97,7 +113,7 @@ def allreduce_async(array, op: str = "average", compression: str = "none", name:
     a = check.array(array)
     op, compression, prescale, post, cap = allreduce_settings(a.dtype, op, compression, prescale, postscale,
                                                               bucket_cap_mb)
-    out = np.empty_like(a) if out is None else check.out_like(out, a)
+    out = _fresh_like(a) if out is None else check.out_like(out, a)
     return _submit("allreduce", name, a, out, op, compression, 0, prescale, post, bucket_cap=cap)
 
 
@@ -150,7 +166,7 @@ def broadcast(array, root: int = 0, name: str | None = None) -> np.ndarray:
     size = group.size()
     if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < size:
         raise ValueError(f"root must be a rank in 0..{size - 1}, not {root!r}")
-    out = np.empty_like(a)
+    out = _fresh_like(a)
     return _submit("broadcast", name, a, out, root=int(root)).wait()
 
 

@@ -1,5 +1,6 @@
 """One rank of ``fastxfer bench allreduce``: sweeps the message sizes with one implementation
-(fastxfer, torch gloo, mpi4py or Horovod) and writes its timings and #wrong to ``OUT.<rank>``.
+(fastxfer, torch gloo, mpi4py, Horovod or DeepSpeed's shared-memory allreduce) and writes its
+timings and #wrong to ``OUT.<rank>`` (or ``{"skip": reason}`` when the peer cannot run here).
 
 Started by the driver under ``fastxfer run`` (mpirun for mpi4py), e.g.
 ``python -m fastxfer.bench.workers.allreduce_worker --impl fastxfer --sizes 1024,4096 --out /tmp/r``.
@@ -12,11 +13,23 @@ import os
 import statistics
 import time
 
+import ml_dtypes
 import numpy as np
 
 from fastxfer.bench.harness import write_result
 
-IMPLS = ("fastxfer", "gloo", "mpi4py", "horovod")
+IMPLS = ("fastxfer", "gloo", "mpi4py", "horovod", "deepspeed")
+F32 = np.dtype(np.float32)
+BF16 = np.dtype(ml_dtypes.bfloat16)
+# DeepSpeed names its shared-memory segments <prefix>_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank> and
+# never unlinks them (deepspeed/ops/csrc/cpu/comm/shm.cpp); the driver removes what is left.
+DEEPSPEED_SHM_PREFIX = "deepspeed_allreduce_buffer"
+DEEPSPEED_ADDR = "127.0.0.1"
+
+
+def deepspeed_segments(port: int | str, ranks: int) -> list[str]:
+    """The /dev/shm paths DeepSpeed's allreduce creates for a job on `port` with `ranks` ranks."""
+    return [f"/dev/shm/{DEEPSPEED_SHM_PREFIX}_{os.getuid()}_{DEEPSPEED_ADDR}_{port}_{r}" for r in range(ranks)]
 
 
 def iterations(nbytes: int, scale: float) -> int:
@@ -24,36 +37,90 @@ def iterations(nbytes: int, scale: float) -> int:
     return max(3, int(base * scale))
 
 
-def pattern(rank: int, n: int) -> np.ndarray:
+def pattern(rank: int, n: int, dtype=F32) -> np.ndarray:
     """Small integers, so that every float32 (and bf16/fp16) sum is exact and the result is known."""
-    return ((np.arange(n) % 13) + rank).astype(np.float32)
+    return ((np.arange(n) % 13) + rank).astype(dtype)
 
 
-def expected(size: int, n: int) -> np.ndarray:
-    return (size * (np.arange(n) % 13) + size * (size - 1) / 2).astype(np.float32)
+def expected(size: int, n: int, dtype=F32) -> np.ndarray:
+    return (size * (np.arange(n) % 13) + size * (size - 1) / 2).astype(dtype)
 
 
-def time_sweep(rank, size, sizes, scale, barrier, ops) -> list[dict]:
-    """ops: {label: op(x, out)}. Each label runs all its iterations at a size before the next label
-    starts (as nccl-tests does: interleaving would let one variant's buffers evict another's)."""
+def time_sweep(rank, size, sizes, scale, barrier, ops, dtypes=None) -> list[dict]:
+    """ops: {label: op(x, out)}, run on arrays of dtypes.get(label, float32) of each size in bytes.
+    op returns the result (or None: the result is in out), and whatever it returns is dropped before
+    the next call, as a training loop drops last step's gradients. Each label runs all its iterations
+    at a size before the next label starts (as nccl-tests does: interleaving would let one variant's
+    buffers evict another's)."""
     results = []
     for label, op in ops.items():
+        dtype = np.dtype((dtypes or {}).get(label, F32))
         for nbytes in sizes:
-            n = nbytes // 4
-            x = pattern(rank, n)
+            n = nbytes // dtype.itemsize
+            x = pattern(rank, n, dtype)
             out = np.empty_like(x)
             res = op(x, out)
             got = res if res is not None else out
-            wrong = int(np.count_nonzero(got != expected(size, n)))
+            # compared as float64: the same for every dtype, and a bf16 array compares exactly
+            wrong = int(np.count_nonzero(got.astype(np.float64) != expected(size, n, dtype).astype(np.float64)))
+            del res, got
             times = []
             for _ in range(iterations(nbytes, scale)):
                 barrier()
                 t0 = time.perf_counter()
                 op(x, out)
                 times.append(time.perf_counter() - t0)
-            results.append({"impl": label, "bytes": nbytes, "p50": statistics.median(times), "wrong": wrong,
-                            "iters": len(times)})
+            results.append({"impl": label, "bytes": nbytes, "dtype": dtype.name, "p50": statistics.median(times),
+                            "wrong": wrong, "iters": len(times)})
     return results
+
+
+def run_deepspeed(sizes: list[int], scale: float) -> tuple[int, int, list[dict] | None, str | None]:
+    """DeepSpeed's shared-memory allreduce (deepspeed.comm.inference_all_reduce, in place) on float32
+    and bfloat16 torch tensors. Returns (rank, size, results, None), or (rank, size, None, reason)
+    when DeepSpeed would not run its shared-memory kernel here (it would silently fall back to
+    torch.distributed's gloo allreduce, which is another row)."""
+    rank, size = int(os.environ["FASTXFER_RANK"]), int(os.environ["FASTXFER_SIZE"])
+    # Each rank on a core of its own, as DeepSpeed is meant to run: its ranks spin on shared flags,
+    # and two spinning ranks time-sliced on one core took 7 ms instead of 0.15 ms for 1 MiB here.
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= size:
+        os.sched_setaffinity(0, {cpus[rank]})
+    # DeepSpeed takes the shared-memory path only when LOCAL_SIZE equals the world size.
+    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_SIZE=str(size), MASTER_ADDR=DEEPSPEED_ADDR,
+                      MASTER_PORT=os.environ["BENCH_PORT"], RANK=str(rank), WORLD_SIZE=str(size),
+                      LOCAL_RANK=str(rank))
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        import deepspeed
+        import deepspeed.comm as dist
+        from deepspeed.accelerator import get_accelerator
+    except Exception as e:  # noqa: BLE001 - report why the peer cannot run
+        return rank, size, None, f"import deepspeed failed: {type(e).__name__}: {e}"
+    if get_accelerator().device_name() != "cpu":
+        return rank, size, None, f"DeepSpeed chose the {get_accelerator().device_name()!r} accelerator, not 'cpu'"
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, dist_init_required=True)
+    backend = dist.comm.cdb
+    level = getattr(backend, "shm_vector_kernel_level", 0)
+    if getattr(backend, "shm_comm_op", None) is None or not hasattr(torch.ops.deepspeed, "inference_all_reduce_"):
+        return rank, size, None, ("DeepSpeed's shm extension (ShareMemCommBuilder) did not build or load; "
+                                  "inference_all_reduce would be torch gloo")
+    if level < 2:
+        return rank, size, None, f"DeepSpeed's shm kernels need AVX-512BW for bf16 (vector level {level})"
+
+    def op(x, out):
+        t = torch.from_numpy(x) if x.dtype == F32 else torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+        dist.inference_all_reduce(t)  # in place on the input tensor, as DeepSpeed is used
+        return x
+    # In place: every timed call sums the previous result again, doubling the small integers; the
+    # values stay exact (powers of two times the first result) and far from overflow for <= 64 calls.
+    results = time_sweep(rank, size, sizes, scale, dist.barrier, {"deepspeed fp32": op, "deepspeed bf16": op},
+                         {"deepspeed bf16": BF16})
+    dist.barrier()
+    dist.destroy_process_group()
+    return rank, size, results, None
 
 
 def run(impl: str, sizes: list[int], scale: float, out: str) -> None:
@@ -62,9 +129,14 @@ def run(impl: str, sizes: list[int], scale: float, out: str) -> None:
 
         fx.init()
         rank, size = fx.rank(), fx.size()
-        results = time_sweep(rank, size, sizes, scale, fx.barrier,
-                             {f"fastxfer {c}": (lambda x, o, c=c: fx.allreduce(x, op="sum", compression=c, out=o))
-                              for c in ("none", "bf16", "fp16")})
+        ops = {f"fastxfer {c}": (lambda x, o, c=c: fx.allreduce(x, op="sum", compression=c, out=o))
+               for c in ("none", "bf16", "fp16")}
+        # a new array per call (the output pool's case); bf16 arrays reduced as they are (no compression)
+        ops["fastxfer none fresh"] = lambda x, o: fx.allreduce(x, op="sum")
+        ops["fastxfer bf16 array"] = lambda x, o: fx.allreduce(x, op="sum", out=o)
+        ops["fastxfer bf16 array fresh"] = lambda x, o: fx.allreduce(x, op="sum")
+        results = time_sweep(rank, size, sizes, scale, fx.barrier, ops,
+                             {"fastxfer bf16 array": BF16, "fastxfer bf16 array fresh": BF16})
         stats = fx.engine_stats()
         fx.shutdown()
     elif impl == "gloo":
@@ -89,6 +161,12 @@ def run(impl: str, sizes: list[int], scale: float, out: str) -> None:
         rank, size = comm.Get_rank(), comm.Get_size()
         results = time_sweep(rank, size, sizes, scale, comm.Barrier,
                              {"mpi4py Allreduce": lambda x, o: comm.Allreduce(x, o, op=MPI.SUM)})
+        stats = {}
+    elif impl == "deepspeed":
+        rank, size, results, skip = run_deepspeed(sizes, scale)
+        if skip is not None:
+            write_result(out, rank, {"rank": rank, "size": size, "skip": skip})
+            return
         stats = {}
     else:  # horovod
         import horovod.numpy as hvd  # pragma: no cover - not installable on TF 2.21
