@@ -69,15 +69,17 @@ def draw(events: list[dict], t0: float, t1: float, png: str, title: str) -> None
     inside = [e for e in events if e["ph"] == "X" and e["ts"] < t1 and e["ts"] + e["dur"] > t0]
     tids = sorted({e["tid"] for e in inside if e["tid"] != 0}, key=lambda t: min(e["ts"] for e in inside
                                                                                  if e["tid"] == t))
-    rows = [0] + tids
+    rows = [0, None, None, None] + tids  # a gap under the engine's lane
     colors = {"idle": "#dddddd", "negotiate": "#f0a030", "queued": "#9ecae1", "wait": "#fdd0a2",
               "allreduce": "#3182bd", "broadcast": "#31a354", "allgather": "#31a354"}
-    fig, ax = plt.subplots(figsize=(11, 2 + 0.09 * len(rows)))
+    fig, ax = plt.subplots(figsize=(11, min(7.0, 2 + 0.03 * len(rows))))
     for y, tid in enumerate(rows):
+        if tid is None:
+            continue
         for e in (e for e in inside if e["tid"] == tid):
             a, b = max(e["ts"], t0), min(e["ts"] + e["dur"], t1)
             c = "#08519c" if e["name"].startswith("bucket") else colors.get(e["name"], "#999999")
-            ax.barh(y, (b - a) / 1e3, left=(a - t0) / 1e3, height=0.8, color=c, linewidth=0)
+            ax.barh(y, (b - a) / 1e3, left=(a - t0) / 1e3, height=4.0 if tid == 0 else 0.9, color=c, linewidth=0)
     ax.set_yticks([0, len(rows) - 1])
     ax.set_yticklabels(["engine", f"{len(tids)} tensors (first submitted at top)"], fontsize=8)
     ax.invert_yaxis()
