@@ -80,10 +80,17 @@ def reason() -> str | None:
     return _reason
 
 
-def _c():
-    import ctypes
+_cdll = None
 
-    return ctypes.CDLL(PATH)  # the library TensorFlow loaded (same path: no second copy)
+
+def _c():
+    """The loaded library's C entry points (the copy TensorFlow loaded: same path, opened once)."""
+    global _cdll
+    if _cdll is None:
+        import ctypes
+
+        _cdll = ctypes.CDLL(PATH)
+    return _cdll
 
 
 def pending() -> int:
