@@ -109,7 +109,8 @@ void bind_engine(py::module_& m) {
       .def(py::init([](const std::string& name, int rank, int size, size_t window_bytes, size_t oob_bytes,
                        double timeout_s, double attach_timeout_s, int threads, std::vector<int> cpus,
                        size_t bucket_cap_bytes, int max_records, size_t stream_min_bytes, py::object inter_host,
-                       const std::string& timeline_path, int timeline_rank, double spin_us) {
+                       const std::string& timeline_path, int timeline_rank, double spin_us,
+                       double stall_warning_s, const std::string& report_dir) {
              JobConfig job;
              job.shm.name = name;
              job.shm.rank = rank;
@@ -120,6 +121,8 @@ void bind_engine(py::module_& m) {
              job.shm.attach_timeout_s = attach_timeout_s;
              job.shm.max_records = max_records;
              job.shm.spin_us = spin_us;
+             job.shm.stall_warning_s = stall_warning_s;
+             job.shm.report_dir = report_dir;
              job.threads = threads;
              job.stream_min_bytes = stream_min_bytes;
              job.engine.bucket_cap_bytes = bucket_cap_bytes;
@@ -130,17 +133,19 @@ void bind_engine(py::module_& m) {
              std::shared_ptr<InterHost> inter;
              if (!inter_host.is_none()) inter = std::make_shared<PyInterHost>(inter_host);
              py::gil_scoped_release nogil;  // waits for the other ranks to attach
-             return std::shared_ptr<Engine>(start_engine(job, inter));
+             return start_engine(job, inter);
            }),
            py::arg("name"), py::arg("rank"), py::arg("size"), py::arg("window_bytes"), py::arg("oob_bytes"),
            py::arg("timeout_s"), py::arg("attach_timeout_s"), py::arg("threads"), py::arg("cpus"),
            py::arg("bucket_cap_bytes"), py::arg("max_records"), py::arg("stream_min_bytes"),
            py::arg("inter_host") = py::none(), py::arg("timeline_path") = "", py::arg("timeline_rank") = 0,
-           py::arg("spin_us") = 50.0)
+           py::arg("spin_us") = 50.0, py::arg("stall_warning_s") = 60.0, py::arg("report_dir") = "")
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("size", &Engine::size)
       .def_property_readonly("oob_capacity", &Engine::oob_capacity)
       .def_property_readonly("running", &Engine::running)
+      .def_property_readonly("tracked", &Engine::tracked,
+                             "Requests still tracked: queued, running, or finished and not yet waited for.")
       .def(
           "submit",
           [](Engine& eng, const std::string& kind, const std::string& name, py::object input, py::object output,
@@ -175,6 +180,7 @@ void bind_engine(py::module_& m) {
       .def("wait", &Engine::wait, py::arg("id"), py::call_guard<py::gil_scoped_release>())
       .def("done", &Engine::done, py::arg("id"))
       .def("release", &Engine::release, py::arg("id"))
+      .def("detach", &Engine::detach, py::arg("id"), "Forget request `id` once it finishes (its handle was dropped).")
       .def("take_finished", &Engine::take_finished)
       .def(
           "take_gathered",

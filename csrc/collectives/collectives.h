@@ -52,7 +52,10 @@ class Collectives {
 
   // Tells the peers this rank is leaving: cleanly (after a shutdown) or with an error message,
   // so they fail fast instead of waiting for a timeout.
-  virtual void mark_exited(bool clean, const char* why) = 0;
+  // `mismatch`: the error was a disagreement between ranks; the peers raise it as one too.
+  virtual void mark_exited(bool clean, const char* why, bool mismatch = false) = 0;
+  // The engine thread is about to wait for work with nothing queued (true), or has work (false).
+  virtual void set_engine_idle(bool idle) = 0;
 
   // Largest message oob_allreduce accepts, in bytes.
   virtual size_t oob_capacity() const = 0;

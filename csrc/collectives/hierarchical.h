@@ -21,7 +21,10 @@ class HierarchicalCollectives : public Collectives {
   void allgather(const void* in, void* out, const std::vector<size_t>& bytes) override;
   void oob_allreduce(const Record& rec, const void* in, void* out, size_t n, DType dtype, ReduceOp op,
                      double postscale) override;
-  void mark_exited(bool clean, const char* why) override { local_->mark_exited(clean, why); }
+  void mark_exited(bool clean, const char* why, bool mismatch = false) override {
+    local_->mark_exited(clean, why, mismatch);
+  }
+  void set_engine_idle(bool idle) override { local_->set_engine_idle(idle); }
   size_t oob_capacity() const override { return local_->oob_capacity(); }
   void abort() override { local_->abort(); }
   CommStats stats() const override { return local_->stats(); }

@@ -31,7 +31,10 @@ class ShmCollectives : public Collectives {
                      double postscale) override {
     shm_oob_allreduce(ctx_, rec, in, out, n, dtype, op, postscale);
   }
-  void mark_exited(bool clean, const char* why) override { seg_.mark_exited(clean, why); }
+  void mark_exited(bool clean, const char* why, bool mismatch = false) override {
+    seg_.mark_exited(clean, why, mismatch);
+  }
+  void set_engine_idle(bool idle) override { seg_.set_engine_idle(idle); }
   size_t oob_capacity() const override { return shm_oob_capacity(ctx_); }
   void abort() override { seg_.abort(); }
   CommStats stats() const override { return ctx_.stats; }

@@ -1,6 +1,8 @@
 // Descriptor records: construction, comparison, and readable descriptions for error messages.
 #include "common/request.h"
 
+#include <cstdio>
+#include <cstdlib>
 #include <sstream>
 
 namespace fastxfer {
@@ -23,6 +25,20 @@ std::string shape_str(const Record& r) {
   for (int i = 0; i < r.ndim; ++i) s << (i ? "," : "") << r.shape[i];
   s << "]";
   return s.str();
+}
+
+// Doubles are compared by their bits: NaN == NaN here (every rank passing the same NaN agrees;
+// the collective layer refuses non-finite scale factors before this), and -0.0 != 0.0.
+bool same_bits(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; }
+
+// The shortest decimal that reads back as exactly `v`: two different values never print alike.
+std::string num(double v) {
+  char buf[40];
+  for (int digits = 6; digits <= 17; ++digits) {
+    std::snprintf(buf, sizeof buf, "%.*g", digits, v);
+    if (std::strtod(buf, nullptr) == v || v != v) break;
+  }
+  return buf;
 }
 
 }  // namespace
@@ -89,25 +105,46 @@ std::string describe(const Record& r) {
   if (kind == CollectiveKind::kAllreduce) {
     s << " op=" << op_name(static_cast<ReduceOp>(r.op));
     if (r.compression) s << " compression=" << compression_name(static_cast<Compression>(r.compression));
-    if (r.prescale != 1.0 || r.postscale != 1.0) s << " prescale=" << r.prescale << " postscale=" << r.postscale;
+    if (r.prescale != 1.0 || r.postscale != 1.0) s << " prescale=" << num(r.prescale) << " postscale=" << num(r.postscale);
     if (r.bucket_cap) s << " bucket_cap=" << r.bucket_cap;
   }
   if (kind == CollectiveKind::kBroadcast) s << " root=" << r.root;
   return s.str();
 }
 
-std::string compare_records(const Record& a, int ra, const Record& b, int rb) {
+namespace {
+
+// Everything ranks must agree on except the job-wide settings (bucket cap, scale factors).
+bool same_collective(const Record& a, const Record& b) {
   bool same = a.kind == b.kind && a.name_hash == b.name_hash && a.dtype == b.dtype && a.op == b.op &&
-              a.compression == b.compression && a.root == b.root && a.ndim == b.ndim &&
-              a.shape_hash == b.shape_hash && a.prescale == b.prescale && a.postscale == b.postscale &&
-              a.bucket_cap == b.bucket_cap;
+              a.compression == b.compression && a.root == b.root && a.ndim == b.ndim && a.shape_hash == b.shape_hash;
   if (same && a.ndim > 0) {
     int from = static_cast<CollectiveKind>(a.kind) == CollectiveKind::kAllgather ? 1 : 0;
     for (int i = from; i < a.ndim; ++i) same = same && a.shape[i] == b.shape[i];
   }
-  if (same) return {};
-  return "rank " + std::to_string(ra) + " submitted " + describe(a) + " but rank " + std::to_string(rb) +
-         " submitted " + describe(b);
+  return same;
+}
+
+}  // namespace
+
+std::string compare_records(const Record& a, int ra, const Record& b, int rb) {
+  const bool collective = same_collective(a, b);
+  const bool cap = a.bucket_cap == b.bucket_cap;
+  const bool scales = same_bits(a.prescale, b.prescale) && same_bits(a.postscale, b.postscale);
+  if (collective && cap && scales) return {};
+  std::string head = "rank " + std::to_string(ra) + " submitted " + describe(a) + " but rank " +
+                     std::to_string(rb) + " submitted " + describe(b);
+  // When the collective agrees but a job-wide setting does not, name that setting and both
+  // values: the two descriptions alone would read almost alike.
+  if (collective && !cap)
+    return head + " (their fusion bucket caps differ: rank " + std::to_string(ra) + " " + std::to_string(a.bucket_cap) +
+           " bytes, rank " + std::to_string(rb) + " " + std::to_string(b.bucket_cap) +
+           " bytes; fx.init(bucket_cap_mb=...), FASTXFER_BUCKET_CAP_MB and bucket_cap_mb= must agree on every rank)";
+  if (collective && !scales)
+    return head + " (their scale factors differ: rank " + std::to_string(ra) + " prescale=" + num(a.prescale) +
+           " postscale=" + num(a.postscale) + ", rank " + std::to_string(rb) + " prescale=" + num(b.prescale) +
+           " postscale=" + num(b.postscale) + ")";
+  return head;
 }
 
 size_t record_numel(const Record& r) { return static_cast<size_t>(r.numel); }

@@ -16,6 +16,7 @@
 
 #include <pthread.h>
 #include <sched.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
@@ -30,7 +31,7 @@
 namespace fastxfer {
 
 Engine::Engine(std::unique_ptr<Collectives> comm, const EngineConfig& cfg)
-    : comm_(std::move(comm)), cfg_(cfg), timeline_(cfg.timeline_path, cfg.timeline_rank) {
+    : comm_(std::move(comm)), cfg_(cfg), timeline_(cfg.timeline_path, cfg.timeline_rank), owner_pid_(getpid()) {
   thread_ = std::thread([this] { loop(); });
   pthread_setname_np(thread_.native_handle(), "fastxfer-engine");  // visible in top -H, gdb, /proc
   if (!cfg_.cpus.empty()) {
@@ -49,6 +50,14 @@ Engine::Engine(std::unique_ptr<Collectives> comm, const EngineConfig& cfg)
       throw EngineError("cannot pin the engine thread to the given CPUs: " + std::string(std::strerror(rc)));
     }
   }
+}
+
+void Engine::check_process() const {
+  if (getpid() != owner_pid_)
+    throw EngineError("fastxfer was initialised in process " + std::to_string(owner_pid_) +
+                      ", and this process is a fork of it: a forked child cannot take part in the parent's "
+                      "collectives. Run them in the parent, or start the child with the 'spawn' start method "
+                      "and call fastxfer.init() there as a rank of its own job");
 }
 
 Engine::~Engine() {
@@ -79,6 +88,11 @@ uint64_t Engine::submit(Request req) {
   if (req.compression != Compression::kNone && req.dtype != DType::kFloat32)
     throw std::invalid_argument(std::string("compression applies to float32 tensors, not ") + dtype_name(req.dtype));
   if (req.rec.bucket_cap < 0) throw std::invalid_argument("bucket_cap must be >= 0 bytes");
+  check_process();
+  // The cap decides which tensors share a bucket, so it is part of what ranks agree on: a rank
+  // whose default differs fails with a Mismatch naming both caps instead of fusing differently.
+  if (req.kind == CollectiveKind::kAllreduce && req.rec.bucket_cap == 0)
+    req.rec.bucket_cap = static_cast<int64_t>(cfg_.bucket_cap_bytes);
   std::lock_guard<std::mutex> lk(mu_);
   if (fatal_ != ErrorKind::kNone) throw_error(fatal_, fatal_msg_);
   if (shutdown_requested_ || stopped_) throw EngineError("fastxfer has been shut down; call init() again first");
@@ -93,6 +107,7 @@ uint64_t Engine::submit(Request req) {
 }
 
 void Engine::wait(uint64_t id) {
+  check_process();
   std::unique_lock<std::mutex> lk(mu_);
   auto unknown = [&] { return std::invalid_argument("unknown or already released handle " + std::to_string(id)); };
   if (status_.find(id) == status_.end()) throw unknown();
@@ -127,6 +142,18 @@ std::vector<char> Engine::take_gathered(uint64_t id, int64_t* rows) {
   return std::move(it->second->gathered);
 }
 
+void Engine::detach(uint64_t id) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = status_.find(id);
+  if (it == status_.end()) return;
+  if (it->second.finished) {
+    status_.erase(it);
+    active_.erase(id);
+  } else {
+    it->second.detached = true;
+  }
+}
+
 void Engine::release(uint64_t id) {
   std::lock_guard<std::mutex> lk(mu_);
   auto it = status_.find(id);
@@ -155,8 +182,14 @@ void Engine::finish(Request* r) {
     return;
   }
   std::lock_guard<std::mutex> lk(mu_);
-  status_[r->id].finished = true;
   finished_.push_back(r->id);
+  auto it = status_.find(r->id);
+  if (it != status_.end() && it->second.detached) {  // nobody will wait: forget it now
+    status_.erase(it);
+    active_.erase(r->id);
+    return;
+  }
+  status_[r->id].finished = true;
   done_cv_.notify_all();
 }
 
@@ -198,13 +231,21 @@ void Engine::fail_all(ErrorKind kind, const std::string& msg) {
     }
     first = fatal_;
     first_msg = fatal_msg_;
-    for (auto& kv : status_) {
-      if (!kv.second.finished) {
-        kv.second.finished = true;
-        kv.second.error = fatal_;
-        kv.second.message = fatal_msg_;
-        finished_.push_back(kv.first);
+    for (auto it = status_.begin(); it != status_.end();) {
+      if (!it->second.finished) {
+        finished_.push_back(it->first);
+        if (it->second.detached && active_.count(it->first)) {
+          // Nobody waits for it, and the engine thread no longer runs it: forget it. (A detached
+          // request still queued keeps its entry until the queue is dropped with the engine.)
+          active_.erase(it->first);
+          it = status_.erase(it);
+          continue;
+        }
+        it->second.finished = true;
+        it->second.error = fatal_;
+        it->second.message = fatal_msg_;
       }
+      ++it;
     }
     done_cv_.notify_all();
   }
@@ -219,7 +260,11 @@ void Engine::loop() {
       double t_idle = tl ? timeline_.now() : 0;
       {
         std::unique_lock<std::mutex> lk(mu_);
-        work_cv_.wait(lk, [&] { return !queue_.empty() || stop_ || fatal_ != ErrorKind::kNone; });
+        if (queue_.empty()) {
+          comm_->set_engine_idle(true);
+          work_cv_.wait(lk, [&] { return !queue_.empty() || stop_ || fatal_ != ErrorKind::kNone; });
+          comm_->set_engine_idle(false);
+        }
         if (stop_) break;
         if (fatal_ != ErrorKind::kNone) throw EngineError(fatal_msg_);
         size_t m = std::min(queue_.size(), static_cast<size_t>(cfg_.max_records));
@@ -266,7 +311,7 @@ void Engine::loop() {
     comm_->mark_exited(false, e.what());
   } catch (const Mismatch& e) {
     fail_all(ErrorKind::kMismatch, e.what());
-    comm_->mark_exited(false, e.what());
+    comm_->mark_exited(false, e.what(), true);
   } catch (const std::exception& e) {
     fail_all(ErrorKind::kEngine, e.what());
     comm_->mark_exited(false, e.what());
@@ -360,6 +405,7 @@ void Engine::trace(const Request& r, double t0, double t1, const std::string& bu
 
 void Engine::oob_allreduce(const Record& rec, const void* in, void* out, size_t n, DType dtype, ReduceOp op,
                            double postscale) {
+  check_process();
   std::lock_guard<std::mutex> serial(oob_mu_);
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -370,7 +416,7 @@ void Engine::oob_allreduce(const Record& rec, const void* in, void* out, size_t 
   // failing them from here would let their waiters release buffers the thread still uses. The
   // abort makes the engine thread's next wait throw, and its own handler fails everything with
   // the error recorded here.
-  auto poison = [&](ErrorKind kind, const char* what) {
+  auto poison = [&](ErrorKind kind, const char* what, bool mismatch) {
     {
       std::lock_guard<std::mutex> lk(mu_);
       if (fatal_ == ErrorKind::kNone) {
@@ -378,17 +424,17 @@ void Engine::oob_allreduce(const Record& rec, const void* in, void* out, size_t 
         fatal_msg_ = what;
       }
     }
-    comm_->mark_exited(false, what);
+    comm_->mark_exited(false, what, mismatch);
     comm_->abort();
     work_cv_.notify_all();
   };
   try {
     comm_->oob_allreduce(rec, in, out, n, dtype, op, postscale);
   } catch (const PeerFailure& e) {
-    poison(ErrorKind::kPeerFailure, e.what());
+    poison(ErrorKind::kPeerFailure, e.what(), false);
     throw;
   } catch (const Mismatch& e) {
-    poison(ErrorKind::kMismatch, e.what());
+    poison(ErrorKind::kMismatch, e.what(), true);
     throw;
   }
 }
@@ -427,10 +473,20 @@ void Engine::shutdown() {
   if (err) std::rethrow_exception(err);
 }
 
-std::unique_ptr<Engine> start_engine(const JobConfig& job, std::shared_ptr<InterHost> inter) {
+std::shared_ptr<Engine> start_engine(const JobConfig& job, std::shared_ptr<InterHost> inter) {
   auto local = std::make_unique<ShmCollectives>(job.shm, job.threads, job.stream_min_bytes);
-  if (inter) return std::make_unique<Engine>(std::make_unique<HierarchicalCollectives>(std::move(local), inter), job.engine);
-  return std::make_unique<Engine>(std::move(local), job.engine);
+  std::unique_ptr<Engine> eng =
+      inter ? std::make_unique<Engine>(std::make_unique<HierarchicalCollectives>(std::move(local), inter), job.engine)
+            : std::make_unique<Engine>(std::move(local), job.engine);
+  // A forked child holds a copy of the parent's engine: its thread does not exist there, its
+  // mutexes and condition variables may be mid-use (destroying one would wait forever for the
+  // parent's waiters) and its shared memory is the parent's. So the child never destroys it: no
+  // join, no abort, no "exited" mark that would fail the parent's peers. The memory is the
+  // child's own copy and goes with it.
+  const pid_t owner = getpid();
+  return std::shared_ptr<Engine>(eng.release(), [owner](Engine* e) {
+    if (getpid() == owner) delete e;
+  });
 }
 
 }  // namespace fastxfer

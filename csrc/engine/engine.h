@@ -73,12 +73,20 @@ class Engine {
   // Blocks until request `id` is done; throws its error. Call without holding the GIL.
   void wait(uint64_t id);
   bool done(uint64_t id);
+  // Requests the engine still tracks: queued, running, or finished but not yet waited for.
+  size_t tracked() const {
+    std::lock_guard<std::mutex> lk(mu_);
+    return status_.size();
+  }
   // Ids finished (or failed) since the last call: their buffers may be released.
   std::vector<uint64_t> take_finished();
   // Moves out an allgather result (after wait).
   std::vector<char> take_gathered(uint64_t id, int64_t* rows);
   // Forgets a waited-for request.
   void release(uint64_t id);
+  // Nobody will wait for request `id` (its handle was dropped): forget it as soon as it finishes,
+  // so an unwaited handle leaks nothing (an allgather's result is freed with it).
+  void detach(uint64_t id);
 
   // Runs on the calling thread, on the collectives' out-of-band lane.
   void oob_allreduce(const Record& rec, const void* in, void* out, size_t n, DType dtype, ReduceOp op,
@@ -99,6 +107,7 @@ class Engine {
     bool finished = false;
     ErrorKind error = ErrorKind::kNone;
     std::string message;
+    bool detached = false;  // see detach()
   };
 
   void loop();
@@ -110,6 +119,8 @@ class Engine {
   // Fails every callback request still queued or running (after the thread stopped).
   void fail_callbacks(ErrorKind kind, const std::string& msg);
   [[noreturn]] void throw_error(ErrorKind kind, const std::string& msg) const;
+  // EngineError in a forked child of the process that started the engine.
+  void check_process() const;
 
   std::unique_ptr<Collectives> comm_;
   EngineConfig cfg_;
@@ -127,6 +138,7 @@ class Engine {
   ErrorKind fatal_ = ErrorKind::kNone;
   std::string fatal_msg_;
   std::mutex oob_mu_;
+  int owner_pid_;  // the process that started the engine (a fork's copy must not use it)
   std::thread thread_;
 };
 
@@ -140,8 +152,8 @@ struct JobConfig {
 
 // Joins the job and starts the engine thread: shared memory among this host's ranks, plus the
 // hierarchical algorithms over `inter` when the job spans several hosts (inter != nullptr).
-// Blocks until every local rank has attached.
-std::unique_ptr<Engine> start_engine(const JobConfig& job, std::shared_ptr<InterHost> inter);
+// Blocks until every local rank has attached. The engine is never destroyed in a forked child.
+std::shared_ptr<Engine> start_engine(const JobConfig& job, std::shared_ptr<InterHost> inter);
 
 // The engine that the C interface (engine/c_api.h) submits to: fastxfer.init() makes its engine
 // current, shutdown() clears it (nullptr), after which C submissions fail with FX_NOT_INITIALIZED.

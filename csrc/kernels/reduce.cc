@@ -16,11 +16,23 @@ namespace {
 
 constexpr size_t kBlock = 2048;
 
+// Integer sums wrap modulo 2^bits, through unsigned arithmetic (signed overflow would be
+// undefined behaviour); that is what MPI implementations do too (docs/algorithms.md).
+template <class T>
+inline T add(T a, T b) {
+  if constexpr (std::is_integral_v<T>) {
+    using U = std::make_unsigned_t<T>;
+    return static_cast<T>(static_cast<U>(a) + static_cast<U>(b));
+  } else {
+    return a + b;
+  }
+}
+
 template <class T>
 inline T combine(ReduceOp op, T a, T b) {
   switch (op) {
     case ReduceOp::kSum:
-    case ReduceOp::kAverage: return a + b;
+    case ReduceOp::kAverage: return add(a, b);
     case ReduceOp::kMin:
       if constexpr (std::is_floating_point_v<T>) return (a < b || std::isnan(a)) ? a : b;
       else return a < b ? a : b;
@@ -38,7 +50,7 @@ inline void combine_block(ReduceOp op, const void* const* srcs, int nsrc, size_t
   for (int j = 1; j < nsrc; ++j) {
     const T* s = static_cast<const T*>(srcs[j]) + b;
     if (op == ReduceOp::kSum || op == ReduceOp::kAverage) {
-      for (size_t i = 0; i < m; ++i) acc[i] += s[i];
+      for (size_t i = 0; i < m; ++i) acc[i] = add(acc[i], s[i]);
     } else {
       for (size_t i = 0; i < m; ++i) acc[i] = combine(op, acc[i], s[i]);
     }

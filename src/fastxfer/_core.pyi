@@ -154,10 +154,13 @@ class Engine:
 
     def __init__(self, name: str, rank: int, size: int, window_bytes: int, oob_bytes: int, timeout_s: float,
                  attach_timeout_s: float, threads: int, cpus: Sequence[int], bucket_cap_bytes: int,
-                 max_records: int, stream_min_bytes: int, inter_host: Any = None) -> None:
+                 max_records: int, stream_min_bytes: int, inter_host: Any = None, timeline_path: str = "",
+                 timeline_rank: int = 0, spin_us: float = 50.0, stall_warning_s: float = 60.0,
+                 report_dir: str = "") -> None:
         """Create or attach this host's segment ``name`` and start the engine thread; waits for the other local
         ranks. ``inter_host``: an object with the InterHost methods (fastxfer.comm.mpi.MPIInterHost) for jobs
-        that span several hosts."""
+        that span several hosts. ``stall_warning_s``: a wait this long warns once, naming the rank that stalls;
+        ``report_dir``: where stall reports go for the launcher (FASTXFER_REPORT_DIR)."""
     @property
     def rank(self) -> int:
         """This process's rank in the engine's group."""
@@ -179,6 +182,11 @@ class Engine:
         """Block (without the GIL) until the request finishes; raises its error."""
     def done(self, id: int) -> bool:
         """Whether the request has finished."""
+    @property
+    def tracked(self) -> int:
+        """Requests still tracked: queued, running, or finished and not yet waited for."""
+    def detach(self, id: int) -> None:
+        """Forget request ``id`` once it finishes: nobody will wait for it (its handle was dropped)."""
     def release(self, id: int) -> None:
         """Forget a finished request (its buffers are no longer touched)."""
     def take_finished(self) -> list[int]:

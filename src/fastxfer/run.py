@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -95,6 +96,8 @@ class Job:
         self.lock = threading.Lock()
         self.interrupted: int | None = None
         self.exit_times: dict[int, float] = {}  # rank -> when it exited (a waiter thread per rank)
+        # where a rank that gives up waiting names the rank that stalled (csrc/transport/shm/segment.cc)
+        self.report_dir = tempfile.mkdtemp(prefix="fastxfer-report-")
 
     def _env(self, rank: int) -> dict[str, str]:
         env = dict(os.environ)
@@ -108,6 +111,7 @@ class Job:
             "FASTXFER_LOCAL_RANK": str(rank),
             "FASTXFER_LOCAL_SIZE": str(self.np),
             "FASTXFER_JOB_ID": self.job_id,
+            "FASTXFER_REPORT_DIR": self.report_dir,
             "PYTHONUNBUFFERED": "1",
         })
         return env
@@ -127,6 +131,7 @@ class Job:
                                      stdin=subprocess.DEVNULL, start_new_session=True)
             except OSError as e:
                 self.signal_all(signal.SIGKILL)
+                shutil.rmtree(self.report_dir, ignore_errors=True)
                 raise SystemExit(f"fastxfer run: cannot start {self.command[0]!r}: {e.strerror}") from None
             self.procs.append(p)
             waiter = threading.Thread(target=self._wait_one, args=(r, p), daemon=True)
@@ -150,6 +155,18 @@ class Job:
             return None
         _, r = min(failed)
         return r, self.procs[r].returncode
+
+    def stall_reports(self) -> dict[int, tuple[int, str]]:
+        """rank -> (the rank it names as stalled, its message), from the ranks' stall reports."""
+        reports = {}
+        for r in range(self.np):
+            try:
+                with open(os.path.join(self.report_dir, f"stall.{r}")) as f:
+                    culprit, _, msg = f.read().partition("\n")
+                reports[r] = (int(culprit), msg.strip())
+            except (OSError, ValueError):
+                continue
+        return reports
 
     def signal_all(self, sig: int) -> None:
         for p in self.procs:
@@ -192,6 +209,8 @@ class Job:
             for s, h in old.items():
                 signal.signal(s, h)
             remove_job_segments(self.job_id)
+            reports = self.stall_reports()
+            shutil.rmtree(self.report_dir, ignore_errors=True)
         first = self._first_failure()
         if self.interrupted is not None:
             print(f"fastxfer run: interrupted by {signal.Signals(self.interrupted).name}; stopped all ranks",
@@ -201,8 +220,15 @@ class Job:
             return 0
         r, code = first
         others = [f"rank {i}: {describe_exit(p.returncode)}" for i, p in enumerate(self.procs) if i != r]
-        print(f"fastxfer run: job failed: rank {r} failed first ({describe_exit(code)})"
-              + (f"; {', '.join(others)}" if others else ""), file=sys.stderr, flush=True)
+        if r in reports and reports[r][0] != r:
+            # the first to fail gave up waiting: blame the rank it waited for, not the messenger
+            culprit, msg = reports[r]
+            print(f"fastxfer run: job failed: rank {culprit} stalled (named by rank {r}: {msg}); rank {r} gave up "
+                  f"waiting for it ({describe_exit(code)})" + (f"; {', '.join(others)}" if others else ""),
+                  file=sys.stderr, flush=True)
+        else:
+            print(f"fastxfer run: job failed: rank {r} failed first ({describe_exit(code)})"
+                  + (f"; {', '.join(others)}" if others else ""), file=sys.stderr, flush=True)
         return 128 - code if code < 0 else code
 
 

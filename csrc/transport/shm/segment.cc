@@ -16,8 +16,10 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <thread>
+#include <vector>
 
 #include "common/errors.h"
 
@@ -52,6 +54,36 @@ struct ShmSegment::Control {
   alignas(64) shm::ProcessId pid;
   std::atomic<int32_t> state;  // 0 attaching, 1 running, 2 left cleanly, 3 failed
   char why[240];
+  // What this rank is blocked on, per lane (0: the engine thread, 1: the out-of-band lane), so
+  // that a waiting peer can follow the chain of waits to the rank that stalls.
+  struct Wait {
+    std::atomic<int32_t> phase1;  // 1 + the Phase waited for; 0: not waiting
+    std::atomic<int32_t> peer;    // the rank waited for
+    std::atomic<uint32_t> target;
+  } waits[2];
+  std::atomic<int32_t> engine_idle;  // 1: the engine thread waits for work with nothing queued
+  std::atomic<int32_t> mismatch;     // with state 3: the failure was a disagreement between ranks
+};
+
+namespace {
+int lane_of(Phase p) { return p == Phase::kOobReady || p == Phase::kOobConsumed ? 1 : 0; }
+const char* phase_what(int phase1) {
+  switch (phase1 - 1) {
+    case static_cast<int>(Phase::kRound): return "negotiation";
+    case static_cast<int>(Phase::kReady):
+    case static_cast<int>(Phase::kReduced):
+    case static_cast<int>(Phase::kConsumed): return "a collective's data exchange";
+    case static_cast<int>(Phase::kOobReady):
+    case static_cast<int>(Phase::kOobConsumed): return "oob_allreduce";
+  }
+  return "?";
+}
+}  // namespace
+
+struct ShmSegment::WaitInfo {
+  bool warned = false;
+  double lanes_since = -1;     // when the cross-lane disagreement was first seen (-1: not seen)
+  uint32_t lanes_snapshot[4];  // the counters it was seen with: nothing may move for it to count
 };
 
 ShmSegment::Control& ShmSegment::ctl(int j) const {
@@ -198,33 +230,149 @@ ShmSegment::~ShmSegment() {
   if (fd_ >= 0) close(fd_);
 }
 
-void ShmSegment::mark_exited(bool clean, const char* why) {
+void ShmSegment::set_engine_idle(bool idle) { ctl(cfg_.rank).engine_idle.store(idle ? 1 : 0, std::memory_order_release); }
+
+void ShmSegment::mark_exited(bool clean, const char* why, bool mismatch) {
   Control& me = ctl(cfg_.rank);
   if (why) {
     std::strncpy(me.why, why, sizeof(me.why) - 1);
     me.why[sizeof(me.why) - 1] = 0;
   }
+  me.mismatch.store(mismatch ? 1 : 0, std::memory_order_relaxed);
   me.state.store(clean ? 2 : 3, std::memory_order_release);
   // wake anyone sleeping on my counters so they notice now, not at their next tick
   for (shm::Counter& c : me.phase)
     shm::wake(c);  // only wake: storing here could move a counter back under the engine thread
 }
 
-void ShmSegment::check_peers(int waiting_for, const char* what, double waited_s) {
+int ShmSegment::stalled_rank(int j, std::string* doing) const {
+  // Follow "j waits for k" (on either lane) until a rank that waits for nobody, or a cycle.
+  std::vector<bool> seen(cfg_.size, false);
+  seen[cfg_.rank] = true;
+  for (;;) {
+    seen[j] = true;
+    const Control& c = ctl(j);
+    int next = -1;
+    for (const auto& w : c.waits) {
+      if (w.phase1.load(std::memory_order_acquire) == 0) continue;
+      int k = w.peer.load(std::memory_order_relaxed);
+      if (k >= 0 && k < cfg_.size && !seen[k]) next = k;
+    }
+    if (next < 0) break;
+    j = next;
+  }
+  const Control& c = ctl(j);
+  const char st = shm::process_state(c.pid);
+  std::string what;
+  if (st == 'T' || st == 't') {
+    what = "is stopped (SIGSTOP or a debugger)";
+  } else if (c.waits[0].phase1.load() || c.waits[1].phase1.load()) {
+    const int l = c.waits[0].phase1.load() ? 0 : 1;
+    what = "is itself waiting (" + std::string(phase_what(c.waits[l].phase1.load())) + ") for rank " +
+           std::to_string(c.waits[l].peer.load()) + ": the ranks wait for each other";
+  } else {
+    what = "is alive but has not reached the next collective (still computing, or hung outside fastxfer)";
+  }
+  what += " [pid " + std::to_string(c.pid.pid) + "]";
+  if (doing) *doing = what;
+  return j;
+}
+
+void ShmSegment::report_stall(int culprit, const std::string& msg) const {
+  // For `fastxfer run`: the rank that gives up is not the culprit; the report says which one is.
+  if (cfg_.report_dir.empty()) return;
+  const std::string path = cfg_.report_dir + "/stall." + std::to_string(cfg_.rank);
+  const std::string tmp = path + ".tmp";
+  int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) return;
+  const std::string text = std::to_string(culprit) + "\n" + msg + "\n";
+  bool ok = write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+  close(fd);
+  if (ok) rename(tmp.c_str(), path.c_str());
+  else unlink(tmp.c_str());
+}
+
+void ShmSegment::check_lanes(Phase phase, int j, WaitInfo& info) {
+  // oob_allreduce called on some ranks only: one rank waits in oob_allreduce for a peer whose
+  // engine waits in negotiation for it, while neither lane of either rank can move. Each rank
+  // sees the same picture from its side; it must hold, with no counter moving, for a second
+  // (a rank's engine may be a moment late to publish a round it has queued).
+  const int me = cfg_.rank;
+  int oob_rank, eng_rank;
+  if (phase == Phase::kOobReady) {
+    oob_rank = me, eng_rank = j;
+  } else if (phase == Phase::kRound) {
+    oob_rank = j, eng_rank = me;
+  } else {
+    info.lanes_since = -1;
+    return;
+  }
+  const Control& o = ctl(oob_rank);
+  const Control& e = ctl(eng_rank);
+  auto val = [&](const Control& c, Phase p) { return c.phase[static_cast<int>(p)].value.load(std::memory_order_acquire); };
+  const uint32_t snap[4] = {val(o, Phase::kRound), val(e, Phase::kRound), val(o, Phase::kOobReady),
+                            val(e, Phase::kOobReady)};
+  const bool stuck = o.engine_idle.load() == 1 && o.waits[0].phase1.load() == 0 &&
+                     o.waits[1].phase1.load() == static_cast<int>(Phase::kOobReady) + 1 &&
+                     e.waits[0].phase1.load() == static_cast<int>(Phase::kRound) + 1 && e.waits[1].phase1.load() == 0 &&
+                     !shm::reached(snap[0], snap[1]) && !shm::reached(snap[3], snap[2]);
+  if (!stuck) {
+    info.lanes_since = -1;
+    return;
+  }
+  if (info.lanes_since < 0 || std::memcmp(snap, info.lanes_snapshot, sizeof snap) != 0) {
+    info.lanes_since = now_s();
+    std::memcpy(info.lanes_snapshot, snap, sizeof snap);
+    return;
+  }
+  if (now_s() - info.lanes_since < 1.0) return;
+  Record oob_rec;
+  std::memcpy(&oob_rec, oob_slot(oob_rank), sizeof(Record));
+  const int buf = static_cast<int>((snap[1] - 1) & 1);
+  const uint32_t n = std::min<uint32_t>(*record_count(eng_rank, buf), static_cast<uint32_t>(cfg_.max_records));
+  std::string theirs = n ? describe(records(eng_rank, buf)[0]) : std::string("a collective");
+  oob_rec.name[sizeof(oob_rec.name) - 1] = 0;
+  throw Mismatch("rank " + std::to_string(oob_rank) + " called oob_allreduce '" + std::string(oob_rec.name) +
+                 "' but rank " + std::to_string(eng_rank) + " did not: it issued " + theirs +
+                 " and waits for rank " + std::to_string(oob_rank) +
+                 ". Every rank must call oob_allreduce at the same point of its sequence of collectives");
+}
+
+void ShmSegment::check_peers(int waiting_for, Phase phase, const char* what, double waited_s, WaitInfo& info) {
   if (aborted_.load()) throw EngineError("the engine was shut down while waiting (" + std::string(what) + ")");
   for (int j = 0; j < cfg_.size; ++j) {
     if (j == cfg_.rank) continue;
     Control& c = ctl(j);
     int32_t st = c.state.load(std::memory_order_acquire);
-    if (st == 3)
-      throw PeerFailure("rank " + std::to_string(j) + " failed: " + std::string(c.why, strnlen(c.why, sizeof(c.why))));
+    if (st == 3) {
+      std::string why(c.why, strnlen(c.why, sizeof(c.why)));
+      if (c.mismatch.load(std::memory_order_relaxed)) throw Mismatch(why);
+      throw PeerFailure("rank " + std::to_string(j) + " failed: " + why);
+    }
     if (st == 2 && j == waiting_for)
       throw PeerFailure("rank " + std::to_string(j) + " has shut down while rank " + std::to_string(cfg_.rank) +
                         " still waits for it (" + what + "): the ranks did not issue the same collectives");
     if (st != 2 && !shm::process_alive(c.pid))
       throw PeerFailure("rank " + std::to_string(j) + " (pid " + std::to_string(c.pid.pid) + ") died during " + what);
   }
-  if (waited_s > cfg_.timeout_s) {
+  if (waited_s > 0.5) check_lanes(phase, waiting_for, info);
+  const bool warn = !info.warned && waited_s > cfg_.stall_warning_s && cfg_.stall_warning_s < cfg_.timeout_s;
+  if (warn || waited_s > cfg_.timeout_s) {
+    std::string doing;
+    const int culprit = stalled_rank(waiting_for, &doing);
+    const std::string who = "rank " + std::to_string(culprit);
+    if (warn) {
+      info.warned = true;
+      const std::string msg = "rank " + std::to_string(cfg_.rank) + " has waited " +
+                              std::to_string(static_cast<int>(waited_s)) + " s for rank " +
+                              std::to_string(waiting_for) + " (" + what + "); " + who + " " + doing +
+                              ". It is declared failed after FASTXFER_TIMEOUT=" +
+                              std::to_string(static_cast<int>(cfg_.timeout_s)) + " s";
+      std::fprintf(stderr, "fastxfer: stall: %s\n", msg.c_str());
+      std::fflush(stderr);
+      report_stall(culprit, msg);
+      return;
+    }
     const Control& me = ctl(cfg_.rank);
     const Control& them = ctl(waiting_for);
     auto counters = [](const Control& c) {
@@ -232,11 +380,14 @@ void ShmSegment::check_peers(int waiting_for, const char* what, double waited_s)
       return "ready=" + v(Phase::kReady) + " reduced=" + v(Phase::kReduced) + " consumed=" + v(Phase::kConsumed) +
              " round=" + v(Phase::kRound);
     };
-    throw PeerFailure("rank " + std::to_string(waiting_for) + " did not answer within " +
-                      std::to_string(static_cast<int>(cfg_.timeout_s)) + " s (" + what +
-                      "); raise FASTXFER_TIMEOUT if ranks legitimately drift apart this far [rank " +
-                      std::to_string(cfg_.rank) + ": " + counters(me) + "; rank " + std::to_string(waiting_for) +
-                      ": " + counters(them) + "]");
+    const std::string msg = who + " stalled: rank " + std::to_string(cfg_.rank) + " waited " +
+                            std::to_string(static_cast<int>(cfg_.timeout_s)) + " s for rank " +
+                            std::to_string(waiting_for) + " (" + what + ") and " + who + " " + doing +
+                            "; raise FASTXFER_TIMEOUT if ranks legitimately drift apart this far [rank " +
+                            std::to_string(cfg_.rank) + ": " + counters(me) + "; rank " +
+                            std::to_string(waiting_for) + ": " + counters(them) + "]";
+    report_stall(culprit, msg);
+    throw PeerFailure(msg);
   }
 }
 
@@ -256,12 +407,22 @@ void ShmSegment::wait_one(int j, Phase phase, uint32_t target, const char* what)
       if ((spin & 63) == 0 && now_s() > until) break;
     }
   }
+  // Say what I am blocked on, for the peers' stall and mismatch checks (cleared on the way out).
+  Control::Wait& w = ctl(cfg_.rank).waits[lane_of(phase)];
+  w.peer.store(j, std::memory_order_relaxed);
+  w.target.store(target, std::memory_order_relaxed);
+  w.phase1.store(static_cast<int>(phase) + 1, std::memory_order_release);
+  struct Clear {
+    Control::Wait& w;
+    ~Clear() { w.phase1.store(0, std::memory_order_release); }
+  } clear{w};
+  WaitInfo info;
   for (;;) {
     uint32_t v = c.value.load(std::memory_order_acquire);
     if (shm::reached(v, target)) return;
     shm::sleep_on(c, v, 100);
     if (shm::reached(c.value.load(std::memory_order_acquire), target)) return;
-    check_peers(j, what, now_s() - start);
+    check_peers(j, phase, what, now_s() - start, info);
   }
 }
 

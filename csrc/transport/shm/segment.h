@@ -23,6 +23,8 @@ struct ShmConfig {
   double timeout_s = 300;           // a peer that does not answer for this long is a failure
   double attach_timeout_s = 120;    // how long ranks wait for each other at start-up
   double spin_us = 50;              // how long a wait spins before it sleeps (FASTXFER_SPIN_US)
+  double stall_warning_s = 60;      // a wait this long warns once, naming the rank that stalls
+  std::string report_dir;           // where the launcher collects stall reports (FASTXFER_REPORT_DIR)
 };
 
 // The counters each rank publishes, one per protocol phase. What a phase means is the business of
@@ -62,8 +64,12 @@ class ShmSegment {
   void wait_all(Phase phase, uint32_t target, const char* what);
 
   // Tells the peers this rank is leaving: cleanly (after a shutdown) or with an error message,
-  // so they fail fast instead of waiting for a timeout.
-  void mark_exited(bool clean, const char* why);
+  // so they fail fast instead of waiting for a timeout. `mismatch`: the error was a disagreement
+  // between ranks, which the peers then raise as a Mismatch too (with this rank's message).
+  void mark_exited(bool clean, const char* why, bool mismatch = false);
+  // Whether this rank's engine thread sits idle with nothing queued (what the out-of-band lane's
+  // mismatch check needs to know: docs/algorithms.md, "oob_allreduce").
+  void set_engine_idle(bool idle);
   // Makes every wait in progress (and later) throw EngineError.
   void abort() { aborted_.store(true); }
 
@@ -74,7 +80,12 @@ class ShmSegment {
   void attach(bool creator, double deadline);  // the constructor's part after mmap
   Control& ctl(int j) const;
   shm::Counter& counter(int j, Phase phase) const;
-  void check_peers(int waiting_for, const char* what, double waited_s);
+  struct WaitInfo;
+  void check_peers(int waiting_for, Phase phase, const char* what, double waited_s, WaitInfo& info);
+  // The rank at the end of the chain "j waits for k waits for ...", and a sentence on what it does.
+  int stalled_rank(int j, std::string* doing) const;
+  void check_lanes(Phase phase, int j, WaitInfo& info);
+  void report_stall(int culprit, const std::string& msg) const;
 
   ShmConfig cfg_;
   int fd_ = -1;

@@ -75,5 +75,12 @@ bool process_alive(const ProcessId& p) {
   return start == p.start;
 }
 
+char process_state(const ProcessId& p) {
+  char state = 0;
+  uint64_t start = 0;
+  if (!read_stat(p.pid, &state, &start) || start != p.start) return 0;
+  return state;
+}
+
 }  // namespace shm
 }  // namespace fastxfer

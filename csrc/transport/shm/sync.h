@@ -36,6 +36,8 @@ struct ProcessId {
 ProcessId self_process_id();
 // False when the process is gone, a zombie, or the pid now names a different process.
 bool process_alive(const ProcessId& p);
+// The process's state letter from /proc/<pid>/stat ('R', 'S', 'T' stopped, ...); 0 when unknown.
+char process_state(const ProcessId& p);
 
 }  // namespace shm
 }  // namespace fastxfer

@@ -80,6 +80,15 @@ class Handle:
         self._result = self._out if self._out is not None else ()
         return self._out
 
+    def __del__(self):
+        # Dropped without wait(): the engine forgets the request when it finishes (an allgather's
+        # result is freed with it); the inputs stay alive in _keepalive until then.
+        if self._result is None:
+            try:
+                self._eng.detach(self._id)
+            except Exception:  # interpreter shutdown, or an engine that is gone
+                pass
+
 
 def _submit(kind: str, name, arr, out, op="sum", compression="none", root=0, prescale=1.0, postscale=1.0,
             shape=None, dtype=None, bucket_cap=0) -> Handle:
@@ -125,6 +134,9 @@ def allreduce_settings(dtype, op, compression, prescale, postscale, bucket_cap_m
     dtype = np.dtype(dtype)
     op = check.op(op)
     compression = check.compression(compression, dtype)
+    for what, v in (("prescale", prescale), ("postscale", postscale)):
+        if not np.isfinite(v):
+            raise ValueError(f"{what} must be a finite number, not {v!r}")
     if dtype.kind == "i":
         if op == "average":
             raise TypeError(f"op='average' needs a floating dtype, not {dtype.name}: use op='sum' and divide")

@@ -204,6 +204,8 @@ def init(*, timeout: float | None = None, engine_cpus: list[int] | str | None = 
     with _lock:
         if _engine is not None:
             return
+        if _forked_from is not None:
+            raise _forked_error()
         layout = detect_layout()
         window = int(_float_env("FASTXFER_SHM_WINDOW_MB", 16) * (1 << 20))
         oob = int(_float_env("FASTXFER_OOB_KB", 1024) * 1024)
@@ -226,7 +228,8 @@ def init(*, timeout: float | None = None, engine_cpus: list[int] | str | None = 
         _engine = _core.Engine(layout.segment, layout.local_rank, layout.local_size, window, oob, float(timeout),
                                _float_env("FASTXFER_ATTACH_TIMEOUT", 120), threads, cpus, cap, 1024,
                                max(0, stream_min), layout.inter_host, timeline_path(layout.rank), layout.rank,
-                               spin_us())
+                               spin_us(), _float_env("FASTXFER_STALL_WARNING_S", min(60.0, timeout / 2)),
+                               os.environ.get("FASTXFER_REPORT_DIR", ""))
         _engine.make_current()  # what the native TensorFlow ops submit to (engine/c_api.h)
         _layout = layout
 
@@ -258,17 +261,57 @@ def _atexit_shutdown() -> None:
 
 atexit.register(_atexit_shutdown)
 
+_forked_from: int | None = None  # the parent's pid, in a forked child of an initialised process
+_parents_engines: list = []      # the parent's engine objects, kept (never used, never destroyed)
+
+
+def _after_fork_in_child() -> None:
+    # A forked child must not run the parent's engine: its thread does not exist here, its shared
+    # memory is the parent's, and a collective would wait forever. Keep the layout (rank() and
+    # size() still say where the parent sits, which data-loader workers use for sharding), drop
+    # the engine so the exit handler does not run a collective shutdown, and make every
+    # collective fail with an error that says why. The C++ engine refuses a child too
+    # (engine.cc, check_process) and leaks itself rather than touch the parent's job.
+    global _engine, _lock, _forked_from
+    _lock = threading.RLock()  # the parent's may have been held by another thread at fork time
+    if _engine is not None:
+        _parents_engines.append(_engine)
+        _engine = None
+        _forked_from = os.getppid()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
 
 def is_initialized() -> bool:
     """Whether init() has run (and shutdown() has not since)."""
     return _engine is not None
 
 
+def _forked_error() -> FastxferError:
+    return FastxferError(
+        f"fastxfer was initialised in process {_forked_from}, and this process is a fork of it: a forked "
+        "child cannot take part in the parent's collectives. Run them in the parent, or start the child "
+        "with the 'spawn' start method (multiprocessing.get_context('spawn')) and call fastxfer.init() "
+        "there as a rank of a job of its own")
+
+
 def _current() -> tuple[_core.Engine, Layout]:
     eng, layout = _engine, _layout
     if eng is None or layout is None:
+        if _forked_from is not None:
+            raise _forked_error()
         raise FastxferError("fastxfer is not initialised: call fastxfer.init() first")
     return eng, layout
+
+
+def _current_layout() -> Layout:
+    # A forked child still knows where its parent sits in the job (data-loader workers shard by it).
+    layout = _layout
+    if layout is not None and (_engine is not None or _forked_from is not None):
+        return layout
+    return _current()[1]
 
 
 def engine() -> _core.Engine:
@@ -278,22 +321,22 @@ def engine() -> _core.Engine:
 
 def rank() -> int:
     """This process's rank in the job (0 .. size()-1)."""
-    return _current()[1].rank
+    return _current_layout().rank
 
 
 def size() -> int:
     """Number of processes in the job."""
-    return _current()[1].size
+    return _current_layout().size
 
 
 def local_rank() -> int:
     """Rank among the processes on this host."""
-    return _current()[1].local_rank
+    return _current_layout().local_rank
 
 
 def local_size() -> int:
     """Number of processes on this host."""
-    return _current()[1].local_size
+    return _current_layout().local_size
 
 
 # what engine_stats() reports, in the native CommStats' names
@@ -309,9 +352,9 @@ def engine_stats() -> dict:
 
 def hosts() -> int:
     """Number of hosts the job spans."""
-    return _current()[1].hosts
+    return _current_layout().hosts
 
 
 def layout() -> Layout:
     """Where this process sits in the job: ranks, hosts, the shared-memory segment, the launcher."""
-    return _current()[1]
+    return _current_layout()
