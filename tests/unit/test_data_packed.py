@@ -4,6 +4,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -73,14 +74,18 @@ def test_pack_and_read_back(folder, tmp_path):
         assert [bytes(ds.record(i)) for i in range(6)] == [data for *_, data in files]
 
 
-def test_list_file_with_names_and_numbers(folder, tmp_path):
+def test_list_file_with_names_or_numbers(folder, tmp_path):
     src, files = folder
     lst = tmp_path / "list.txt"
-    lst.write_text(f"# comment\nsrc/cat/0.jpg tabby\n{src}/dog/1.jpg 7\nsrc/cat/1.jpg tabby\n")
+    lst.write_text(f"# comment\nsrc/cat/0.jpg tabby\n{src}/dog/1.jpg rex\nsrc/cat/1.jpg tabby\n")
     out = tmp_path / "l.fxpack"
     assert run("data", "pack", str(lst), str(out), "--no-progress").returncode == 0
     with PackedDataset(str(out)) as ds:
-        assert ds.labels.tolist() == [0, 7, 0] and ds.classes == ["tabby"]
+        assert ds.labels.tolist() == [0, 1, 0] and ds.classes == ["tabby", "rex"] and ds.num_classes == 2
+    lst.write_text(f"src/cat/0.jpg 3\n{src}/dog/1.jpg 7\n")
+    assert run("data", "pack", str(lst), str(out), "--no-progress").returncode == 0
+    with PackedDataset(str(out)) as ds:  # numbers: no names, classes 0..7
+        assert ds.labels.tolist() == [3, 7] and ds.classes == [] and ds.num_classes == 8
     lst.write_text("just-a-path\n")
     r = run("data", "pack", str(lst), str(out), "--no-progress")
     assert r.returncode == 1 and "list.txt:1: expected 'path label'" in r.stderr
@@ -150,19 +155,34 @@ def test_failed_pack_leaves_nothing_that_looks_valid(folder, tmp_path, monkeypat
     assert [p.name for p in tmp_path.iterdir() if ".partial-" in p.name] == []
 
 
+STUCK_PACK = """
+import sys, threading
+import fastxfer.data.writer as writer
+real = writer._read
+def stuck(path):  # a read that never returns, as on a hung network file system
+    if path.endswith("slow.jpg"):
+        threading.Event().wait()
+    return real(path)
+writer._read = stuck
+from fastxfer.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def test_killed_pack_never_produces_the_output(folder, tmp_path):
     src, _ = folder
-    fifo = tmp_path / "slow.jpg"
-    os.mkfifo(fifo)  # reading it blocks: the packer is stuck mid-way when we kill it
+    slow = tmp_path / "slow.jpg"
+    slow.write_bytes((src / "cat" / "0.jpg").read_bytes())
     lst = tmp_path / "list.txt"
-    lst.write_text(f"{src}/cat/0.jpg 0\n{fifo} 1\n")
+    lst.write_text(f"{src}/cat/0.jpg 0\n{slow} 1\n")
     out = tmp_path / "k.fxpack"
-    p = subprocess.Popen(fastxfer_cmd() + ["data", "pack", str(lst), str(out), "--no-progress"],
+    p = subprocess.Popen([sys.executable, "-c", STUCK_PACK, "data", "pack", str(lst), str(out), "--no-progress"],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while not any(".partial-" in n for n in os.listdir(tmp_path)) and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(0.3)
+    assert p.poll() is None, "the packer was not stuck on slow.jpg"
     p.send_signal(signal.SIGKILL)
     p.wait(timeout=60)
     assert not out.exists()

@@ -49,7 +49,7 @@ def main(args: argparse.Namespace) -> int:
                 print(f"stored {len(s['untiled'])} file(s) as they are (could not transcode them):", file=sys.stderr)
                 for path, why in s["untiled"][:20]:
                     print(f"  {path}: {why}", file=sys.stderr)
-            if s["skipped"]:
+            if s["skipped"]:  # every skipped file is in the summary dict pack() returns; the first 20 here
                 print(f"skipped {len(s['skipped'])} file(s):", file=sys.stderr)
                 for path, why in s["skipped"][:20]:
                     print(f"  {path}: {why}", file=sys.stderr)
@@ -59,11 +59,13 @@ def main(args: argparse.Namespace) -> int:
         with PackedDataset(args.file, verify=False) as ds:
             labels, counts = np.unique(ds.labels, return_counts=True)
             out = {"file": args.file, "records": len(ds), "bytes": os.path.getsize(args.file),
-                   "classes": ds.classes, "records_per_label": {int(k): int(v) for k, v in zip(labels, counts)},
+                   "classes": ds.classes, "num_classes": ds.num_classes,
+                   "records_per_label": {int(k): int(v) for k, v in zip(labels, counts)},
                    "height": [int(ds.heights.min()), int(ds.heights.max())] if len(ds) else [],
                    "width": [int(ds.widths.min()), int(ds.widths.max())] if len(ds) else [],
                    "created": ds.meta.get("created"), "source": ds.meta.get("source"),
-                   "tiles": bool(ds.meta.get("tiles", False)), "untiled": ds.meta.get("untiled", 0)}
+                   "tiles": bool(ds.meta.get("tiles", False)), "untiled": ds.meta.get("untiled", 0),
+                   "skipped_when_packed": ds.meta.get("skipped", 0)}
             bad = ds.verify_all() if args.verify else None
             if bad is not None:
                 out["corrupted_records"] = bad
@@ -71,7 +73,8 @@ def main(args: argparse.Namespace) -> int:
             print(json.dumps(out, indent=2))
         else:
             print(f"{out['file']}: {out['records']} records, {out['bytes'] / 1e6:.1f} MB, "
-                  f"{len(out['classes']) or len(out['records_per_label'])} classes")
+                  f"{out['num_classes']} classes" + (f" ({out['skipped_when_packed']} file(s) skipped when packed)"
+                                                     if out["skipped_when_packed"] else ""))
             if out["tiles"]:
                 print(f"  tiled JPEGs (restart marker per MCU): {out['records'] - out['untiled']} of {out['records']}")
             if out["records"]:

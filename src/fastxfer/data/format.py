@@ -11,6 +11,17 @@ record count, index CRC); a file without a valid footer is incomplete. Packing w
 ``OUT.partial-<pid>`` and renames it over ``OUT`` only after flushing, so a crash never leaves a
 file named OUT that looks valid (writer.py). Every record carries a CRC-32: readers check it
 (``verify=True``) and a mismatch raises CorruptRecordError naming the record (reader.py).
+
+The CRCs only catch accidents: a forged file can carry valid ones. So the reader also checks, on
+open, every index field against what the format allows (records inside the data region, height
+and width >= 1, labels in 0..num_classes-1) and that the metadata is a JSON object with fields of
+the right types; anything else is a PackedFormatError naming the record (or metadata field). The
+decoders check each record's height and width against its JPEG header before decoding it.
+
+Metadata (a JSON object): ``classes`` (list of class names, may be empty), ``num_classes`` (labels
+are 0..num_classes-1; equal to len(classes) when there are names; written since issue 14: older
+packs get len(classes), or max label + 1 when unnamed), ``source``, ``created`` (strings),
+``tiles`` (bool), ``skipped`` and ``untiled`` (counts).
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ INDEX_DTYPE = np.dtype([("offset", "<u8"), ("size", "<u4"), ("crc32", "<u4"), ("
                         ("height", "<u2"), ("width", "<u2")])
 DATA_OFFSET = 4096
 MAX_SIDE = 65535  # the index stores height and width as uint16
+MAX_CLASSES = 1 << 24  # labels are 0..MAX_CLASSES-1 (a sanity bound: a one-hot batch row is 64 MiB there)
 
 
 class PackedFormatError(FastxferError):

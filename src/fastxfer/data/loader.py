@@ -16,15 +16,27 @@ the same images up to float rounding:
 
 A background thread keeps `prefetch` batches ready.
 
-Bad records (checksum mismatch, undecodable, a colour space libjpeg-turbo cannot convert) never
-stop the loader and never get another record's label: the slot is filled with another image of
-the same batch together with that image's label, ``loader.skipped`` counts them, and a warning
-per batch that had any names one of them.
+Bad input (docs/data.md, "Bad input"):
+
+- A pack whose index or metadata breaks the format (records outside the data region, a zero
+  height or width, a label outside 0..num_classes-1, metadata that is not a JSON object) is a
+  PackedFormatError naming the record and the field when the Loader is created; so is a
+  ``num_classes`` argument below a label of the pack.
+- Bad records (checksum mismatch, undecodable, a JPEG header whose size is not the index's, a
+  colour space libjpeg-turbo cannot convert) never stop the loader and never get another record's
+  label: the slot is filled with another image of the same batch together with that image's
+  label, ``loader.skipped`` counts them, and a warning per batch that had any names one of them.
+- A batch with no readable record at all is filled the same way from the next readable records
+  of this rank's epoch order (wrapping around), so every epoch still has ``len(loader)`` full
+  batches and the ranks of a job keep stepping together; ``loader.skipped`` counts its records,
+  ``loader.skipped_batches`` the batch, and it is warned about. Only when no record of this
+  rank's epoch can be read is it an error (PackedFormatError).
 """
 
 from __future__ import annotations
 
 import math
+import operator
 import os
 import queue
 import threading
@@ -35,8 +47,12 @@ import numpy as np
 from fastxfer.data.adapters import as_keras, as_tf_dataset
 from fastxfer.data.decoders.native import MAX_PIXELS, NativeDecoder, native_decoder_status
 from fastxfer.data.decoders import IMAGENET_MEAN, IMAGENET_STD
+from fastxfer.data.format import PackedFormatError
 from fastxfer.data.reader import PackedDataset
 from fastxfer.data.sampling import augment_params, image_uniforms, mixup
+
+
+MAX_TARGET_BYTES = 1 << 30  # one-hot (mixup / label smoothing) targets per batch: larger is refused
 
 
 def _default_threads() -> int:
@@ -69,42 +85,71 @@ class Loader:
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is outside 0..{size - 1}")
         self.ds = PackedDataset(str(path), verify=verify)
-        if cache:
-            self.ds.cache()
-        self.batch_size, self.image_size, self.train = batch_size, int(image_size), train
-        self.threads = threads or _default_threads()
-        self.seed, self.rank, self.size, self.dtype = seed, rank, size, dtype
-        self.mixup_alpha, self.label_smoothing = mixup_alpha, label_smoothing
+        try:  # the pack is open: close it if anything below refuses
+            if cache:
+                self.ds.cache()
+            self.batch_size, self.image_size, self.train = batch_size, int(image_size), train
+            self.threads = threads or _default_threads()
+            self.seed, self.rank, self.size, self.dtype = seed, rank, size, dtype
+            self.mixup_alpha, self.label_smoothing = mixup_alpha, label_smoothing
+            self.num_classes = self._check_num_classes(num_classes)
+            if mixup_alpha > 0 or label_smoothing > 0:
+                target_bytes = batch_size * self.num_classes * 4
+                if target_bytes > MAX_TARGET_BYTES:
+                    raise ValueError(f"mixup/label smoothing make (batch, num_classes) float32 targets: {batch_size} x "
+                                     f"{self.num_classes} is {target_bytes / 2**30:.1f} GiB per batch, over the limit "
+                                     f"of {MAX_TARGET_BYTES / 2**30:.0f} GiB")
+            self.color_jitter, self.scale, self.ratio, self.flip = color_jitter, scale, ratio, flip
+            self.prefetch = max(1, prefetch)
+            self.drop_last = train if drop_last is None else drop_last
+            self.mean = np.asarray(mean, np.float32)
+            self.std = np.asarray(std, np.float32)
+            self.epoch = 0
+            self.skipped = 0  # bad records met (each time it is read), see the module docstring
+            self.skipped_batches = 0  # batches none of whose records could be read (filled from other records)
+            if decoder not in ("auto", "native", "numba"):
+                raise ValueError(f"decoder must be 'auto', 'native' or 'numba', not {decoder!r}")
+            self.max_pixels = int(max_pixels)
+            self._decoder = None
+            if decoder in ("auto", "native"):
+                usable, why = native_decoder_status()
+                if usable:
+                    self._decoder = NativeDecoder(why, self.threads, self.max_pixels)
+                elif decoder == "native":
+                    raise RuntimeError(f"the native JPEG decoder is not available: {why} (use decoder='numba')")
+                else:
+                    warnings.warn(f"fastxfer.data: native JPEG decoder unavailable ({why}); using simplejpeg + Numba, "
+                                  f"which is slower", RuntimeWarning, stacklevel=2)
+            if self._decoder is None:
+                try:
+                    from fastxfer.data.decoders.numba_ref import NumbaDecoder
+                except ImportError as e:
+                    raise RuntimeError(f"fastxfer.data: no JPEG decoder can run here: the native one is unavailable "
+                                       f"and the Numba fallback cannot be imported ({e}); "
+                                       f"pip install 'fastxfer[data]'") from e
+                self._decoder = NumbaDecoder(self.threads, self.max_pixels)
+            self.decoder = self._decoder.name
+        except BaseException:
+            self.ds.close()
+            raise
+
+    def _check_num_classes(self, num_classes) -> int:
+        """The pack's number of classes (labels checked against it on open), or the `num_classes`
+        argument (None or 0: the pack's) when no label of the pack is outside it: a smaller one
+        would leave labels without a class (and wrap or overflow a one-hot row)."""
+        have = self.ds.num_classes
+        if not num_classes:
+            return have
+        n = operator.index(num_classes)
+        if n < 1:
+            raise ValueError(f"num_classes must be >= 1, got {n}")
         labels = self.ds.labels
-        self.num_classes = num_classes or (int(labels.max()) + 1 if len(labels) else 0)
-        self.color_jitter, self.scale, self.ratio, self.flip = color_jitter, scale, ratio, flip
-        self.prefetch = max(1, prefetch)
-        self.drop_last = train if drop_last is None else drop_last
-        self.mean = np.asarray(mean, np.float32)
-        self.std = np.asarray(std, np.float32)
-        self.epoch = 0
-        self.skipped = 0
-        if decoder not in ("auto", "native", "numba"):
-            raise ValueError(f"decoder must be 'auto', 'native' or 'numba', not {decoder!r}")
-        self.max_pixels = int(max_pixels)
-        self._decoder = None
-        if decoder in ("auto", "native"):
-            usable, why = native_decoder_status()
-            if usable:
-                self._decoder = NativeDecoder(why, self.threads, self.max_pixels)
-            elif decoder == "native":
-                raise RuntimeError(f"the native JPEG decoder is not available: {why} (use decoder='numba')")
-            else:
-                warnings.warn(f"fastxfer.data: native JPEG decoder unavailable ({why}); using simplejpeg + Numba, "
-                              f"which is slower", RuntimeWarning, stacklevel=2)
-        if self._decoder is None:
-            try:
-                from fastxfer.data.decoders.numba_ref import NumbaDecoder
-            except ImportError as e:
-                raise RuntimeError(f"fastxfer.data: no JPEG decoder can run here: the native one is unavailable and "
-                                   f"the Numba fallback cannot be imported ({e}); pip install 'fastxfer[data]'") from e
-            self._decoder = NumbaDecoder(self.threads)
-        self.decoder = self._decoder.name
+        bad = np.flatnonzero(labels >= n)
+        if bad.size:
+            i = int(bad[0])
+            raise PackedFormatError(f"{self.ds.path}: index record {i}: label {int(labels[i])} is not below "
+                                    f"num_classes={n} (the pack's labels are 0..{have - 1})")
+        return n
 
     @property
     def native_decoder(self):
@@ -178,18 +223,27 @@ class Loader:
         ok = self._decode(idx, self.params(idx), images)
         labels = self.ds.labels[idx].astype(np.int32)
         good = [k for k in range(n) if ok[k]]
-        if len(good) < n:
-            if not good:
-                raise RuntimeError(f"every record of batch {b} is unreadable ({self._last_error})")
+        if len(good) < n and n:
+            first_error = self._last_error
+            sources, src_labels = images, labels
+            if not good:  # no slot of this batch can be filled from the batch itself
+                sources, src_labels, good, used = self._replacements(b, n, images.dtype)
             for j, k in enumerate(k for k in range(n) if not ok[k]):
                 src = good[j % len(good)]
-                images[k] = images[src]
-                labels[k] = labels[src]
-            bad = n - len(good)
+                images[k] = sources[src]
+                labels[k] = src_labels[src]
+            bad = n - sum(ok)
             self.skipped += bad
-            warnings.warn(f"fastxfer.data: skipped {bad} unreadable record(s) in batch {b} of epoch {self.epoch} "
-                          f"(e.g. {self._last_error}); their slots hold other images of the batch, with their labels",
-                          RuntimeWarning, stacklevel=2)
+            if sum(ok):
+                warnings.warn(f"fastxfer.data: skipped {bad} unreadable record(s) in batch {b} of epoch {self.epoch} "
+                              f"(e.g. {first_error}); their slots hold other images of the batch, with their labels",
+                              RuntimeWarning, stacklevel=2)
+            else:
+                self.skipped_batches += 1
+                warnings.warn(f"fastxfer.data: skipped batch {b} of epoch {self.epoch}: none of its {n} record(s) "
+                              f"is readable (e.g. {first_error}); its slots hold other records of this rank's "
+                              f"epoch ({', '.join(map(str, used[:8]))}{', ...' if len(used) > 8 else ''}), with "
+                              f"their labels", RuntimeWarning, stacklevel=2)
         targets = labels
         if self.mixup_alpha > 0 or self.label_smoothing > 0:
             mrng = np.random.default_rng(np.random.SeedSequence([self.seed, self.epoch, self.rank, b, 1]))
@@ -199,6 +253,24 @@ class Loader:
 
             images = fx.compress(images, "bf16")
         return images, targets
+
+    def _replacements(self, b: int, n: int, dtype):
+        """For a batch b with no readable record: (images, labels, good slots, records) of the next
+        readable records of this rank's epoch order after the batch (wrapping around), decoded
+        chunk by chunk until one has any; PackedFormatError when none of them is readable."""
+        order = self.indices()
+        start = (b + 1) * self.batch_size
+        rest = np.concatenate([order[start:], order[:b * self.batch_size]])
+        s = self.image_size
+        for c in range(0, len(rest), n):
+            idx = rest[c:c + n]
+            images = np.empty((len(idx), s, s, 3), dtype)
+            ok = self._decode(idx, self.params(idx), images)
+            good = [k for k in range(len(idx)) if ok[k]]
+            if good:
+                return images, self.ds.labels[idx].astype(np.int32), good, [int(idx[k]) for k in good]
+        raise PackedFormatError(f"{self.ds.path}: none of the {len(order)} records this rank reads in epoch "
+                                f"{self.epoch} is readable (e.g. {self._last_error})")
 
     def __iter__(self):
         nb = len(self)

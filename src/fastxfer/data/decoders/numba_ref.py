@@ -31,6 +31,7 @@ else:
 _OPTS = dict(nogil=True, cache=True, fastmath=False, error_model="numpy")
 
 from fastxfer.data.decoders import IMAGENET_MEAN, IMAGENET_STD  # noqa: E402,F401  (re-exported)
+from fastxfer.data.decoders.native import MAX_PIXELS  # noqa: E402  (the same limit on both decoders)
 
 
 # ---- resampling --------------------------------------------------------------------------------
@@ -170,8 +171,20 @@ def scratch_size(ch: int, ow: int) -> int:
     return ch * ow * 3
 
 
+def check_crop(img, y0: int, x0: int, ch: int, cw: int, out) -> None:
+    """ValueError unless the crop lies inside img and out is a 3-channel slot: the Numba kernel
+    has no bounds checks, so every call goes through here first."""
+    if img.ndim != 3 or img.shape[2] not in (1, 3) or out.ndim != 3 or out.shape[2] != 3 or min(out.shape[:2]) < 1:
+        raise ValueError(f"expected an HxWx1 or HxWx3 image and an HxWx3 slot, got {img.shape} and {out.shape}")
+    if not (0 <= y0 and 0 <= x0 and ch >= 1 and cw >= 1 and y0 + ch <= img.shape[0] and x0 + cw <= img.shape[1]):
+        raise ValueError(f"the crop box (y {y0}, x {x0}, h {ch}, w {cw}) is not inside the "
+                         f"{img.shape[1]}x{img.shape[0]} (WxH) decoded image")
+
+
 def crop_resize_normalize(img, y0, x0, ch, cw, out, flip, brightness, contrast, saturation, mean, std, scratch=None):
-    """crop_resize_normalize_scratch with a scratch buffer allocated here when none is given."""
+    """crop_resize_normalize_scratch with a scratch buffer allocated here when none is given (and
+    the crop checked against the image first)."""
+    check_crop(img, y0, x0, ch, cw, out)
     if scratch is None or scratch.size < scratch_size(ch, out.shape[1]):
         scratch = np.empty(scratch_size(ch, out.shape[1]), np.float32)
     crop_resize_normalize_scratch(img, y0, x0, ch, cw, out, flip, brightness, contrast, saturation, mean, std,
@@ -188,10 +201,18 @@ crop_resize_normalize.py_func = lambda img, y0, x0, ch, cw, out, flip, b, c, s, 
 def decode(data, height: int, width: int, box: tuple[int, int, int, int], out_hw: tuple[int, int]):
     """Decode just enough of a JPEG for `box` to be resized to out_hw: returns (image, box in the
     decoded image's coordinates). Uses DCT scaling by the largest of 8/4/2 that keeps the crop at
-    least out_hw; grayscale stays one channel; CMYK (Adobe, inverted) is converted to RGB."""
+    least out_hw; grayscale stays one channel; CMYK (Adobe, inverted) is converted to RGB.
+
+    ValueError, before any pixel is decoded, when the JPEG header's size is not (height, width)
+    (the dataset index's) or the box is not inside it (the native decoder refuses the same)."""
     import simplejpeg
 
     y, x, h, w = box
+    hh, ww, colorspace, _ = simplejpeg.decode_jpeg_header(data)
+    if (hh, ww) != (height, width):
+        raise ValueError(f"the JPEG header says {ww}x{hh} (WxH) but the dataset index says {width}x{height}")
+    if not (0 <= y and 0 <= x and h >= 1 and w >= 1 and y + h <= height and x + w <= width):
+        raise ValueError(f"the crop box (y {y}, x {x}, h {h}, w {w}) lies outside the {width}x{height} image")
     oh, ow = out_hw
     factor = 1
     for f in (8, 4, 2):
@@ -201,7 +222,6 @@ def decode(data, height: int, width: int, box: tuple[int, int, int, int], out_hw
     kw = {}
     if factor > 1:
         kw = dict(min_height=math.ceil(height / factor), min_width=math.ceil(width / factor), min_factor=factor)
-    hh, ww, colorspace, _ = simplejpeg.decode_jpeg_header(data)
     if colorspace == "GRAY":
         img = simplejpeg.decode_jpeg(data, colorspace="GRAY", **kw)
         if img.ndim == 2:
@@ -226,8 +246,8 @@ class NumbaDecoder:
 
     name = "numba"
 
-    def __init__(self, threads: int):
-        self.threads = threads
+    def __init__(self, threads: int, max_pixels: int = MAX_PIXELS):
+        self.threads, self.max_pixels = threads, int(max_pixels)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="fastxfer-loader")
         self._pid = os.getpid()
         self._scratch = threading.local()  # per-thread resize buffer, reused across images
@@ -235,8 +255,11 @@ class NumbaDecoder:
     def _one(self, data, height: int, width: int, box, flip: bool, jitter, mean, std, slot: np.ndarray) -> str:
         """Decode + augment one record into slot; "" or why the record is bad."""
         s_h, s_w = slot.shape[0], slot.shape[1]
+        if height * width > self.max_pixels:  # as the native decoder: decompression bombs
+            return f"the image is {width}x{height} = {height * width} pixels, over the limit of {self.max_pixels}"
         try:
             img, box2 = decode(data, height, width, tuple(int(v) for v in box), (s_h, s_w))
+            check_crop(img, *box2, slot)  # the kernel reads without bounds checks
         except Exception as e:  # noqa: BLE001 - any decode failure means: this record is bad
             return str(e)
         scratch = getattr(self._scratch, "buf", None)
