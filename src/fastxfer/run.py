@@ -6,12 +6,18 @@ When a worker fails, the others get a grace period (default 10 s) to notice thro
 is sent SIGTERM, then SIGKILL. The exit code is the first failed rank's (128 + signal number for
 a signal), and the last line says which rank failed and how. Shared-memory segments of the job
 are removed at the end, and segments of earlier jobs whose launcher is gone are swept at start.
+
+Workers die with the launcher: each is started with PR_SET_PDEATHSIG = SIGKILL, so a launcher
+that is killed (even with SIGKILL) leaves no rank running. SIGINT, SIGTERM and SIGHUP (the
+terminal went away) stop the job cleanly instead: every rank gets SIGTERM, then SIGKILL after
+5 s (a second signal: at once); the segments are removed, the exit code is 128 + the signal
+number, and the last line says why the job stopped.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
+import ctypes
 import os
 import secrets
 import shutil
@@ -22,47 +28,47 @@ import tempfile
 import threading
 import time
 
-SHM_DIR = "/dev/shm"
-SEGMENT_PREFIX = "fastxfer-"
+from fastxfer.comm import segments
+from fastxfer.errors import FastxferError
+
+# How the launcher stops: the signals it turns into a clean stop of the job, and why it says it got them.
+STOP_SIGNALS = {
+    signal.SIGINT: "interrupted (SIGINT)",
+    signal.SIGTERM: "asked to stop (SIGTERM)",
+    signal.SIGHUP: "lost its terminal (SIGHUP)",
+}
+KILL_AFTER_S = 5.0  # after the forwarded SIGTERM, SIGKILL for whoever is still running
+
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+_prctl = _libc.prctl
+_prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+_prctl.restype = ctypes.c_int
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        return state not in ("Z", "X")
-    except (OSError, IndexError):
-        return True
+def die_with_parent(parent_pid: int):
+    """A ``preexec_fn`` for workers: SIGKILL this child when the launcher dies, however it dies
+    (SIGKILL, OOM killer, a crash), so no rank is ever left running as an orphan.
+
+    PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, so workers must be
+    started from the launcher's main thread (Job.start checks). It survives the exec of the
+    worker (not of a set-uid program). If the launcher died between fork and prctl, the child has
+    already been re-parented: it checks and leaves at once. Everything the function calls is
+    resolved before the fork, and it only makes a system call and compares pids."""
+    prctl, sigkill, getppid, kill, getpid = _prctl, int(signal.SIGKILL), os.getppid, os.kill, os.getpid
+
+    def preexec() -> None:
+        if prctl(_PR_SET_PDEATHSIG, sigkill, 0, 0, 0) != 0:
+            raise OSError("prctl(PR_SET_PDEATHSIG) failed")  # Popen reports it; the worker never starts
+        if getppid() != parent_pid:  # the launcher is already gone
+            kill(getpid(), sigkill)
+
+    return preexec
 
 
 def sweep_stale_segments() -> list[str]:
     """Remove this user's fastxfer segments whose creating launcher (pid in the name) is gone."""
-    removed = []
-    for path in glob.glob(os.path.join(SHM_DIR, SEGMENT_PREFIX + "*")):
-        name = os.path.basename(path)[len(SEGMENT_PREFIX):]
-        try:
-            pid = int(name.split("-", 1)[0])
-            if os.stat(path).st_uid != os.getuid() or _pid_alive(pid):
-                continue
-            os.unlink(path)
-            removed.append(path)
-        except (ValueError, OSError):
-            continue
-    return removed
-
-
-def remove_job_segments(job_id: str) -> None:
-    for path in glob.glob(os.path.join(SHM_DIR, f"{SEGMENT_PREFIX}{job_id}*")):
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+    return segments.sweep_stale()
 
 
 def describe_exit(code: int) -> str:
@@ -75,11 +81,25 @@ def describe_exit(code: int) -> str:
 
 
 def _pump(stream, out, prefix: bytes, lock: threading.Lock) -> None:
+    broken = False
     for line in iter(stream.readline, b""):
+        if broken:
+            continue  # keep draining, so a worker never blocks on a full pipe
         with lock:
-            out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
-            out.flush()
+            try:
+                out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+                out.flush()
+            except OSError:  # the terminal went away (EIO after SIGHUP) or the reader closed the pipe
+                broken = True
     stream.close()
+
+
+def _say(line: str) -> None:
+    """The launcher's own messages on stderr; a stderr that went away (SIGHUP, closed pipe) is not an error."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:
+        pass
 
 
 class Job:
@@ -89,12 +109,15 @@ class Job:
         self.command = command
         self.placement = placement  # per-rank plan from fastxfer.topology, or None (no binding)
         self.grace = grace
-        self.job_id = f"{os.getpid()}-{secrets.token_hex(16)}"
+        self.job_id = f"{os.getpid()}-{secrets.token_hex(16)}"  # names the job; not secret
+        self.secret = secrets.token_hex(32)  # only in the ranks' environment: picks their segment names
         self.extra_env = extra_env or {}
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
         self.lock = threading.Lock()
-        self.interrupted: int | None = None
+        self.interrupted: int | None = None  # the stop signal the launcher got, if any
+        self.hurry = False
+        self._old_handlers: dict | None = None
         self.exit_times: dict[int, float] = {}  # rank -> when it exited (a waiter thread per rank)
         # where a rank that gives up waiting names the rank that stalled (csrc/transport/shm/segment.cc)
         self.report_dir = tempfile.mkdtemp(prefix="fastxfer-report-")
@@ -112,13 +135,22 @@ class Job:
             "FASTXFER_LOCAL_SIZE": str(self.np),
             "FASTXFER_JOB_ID": self.job_id,
             "FASTXFER_REPORT_DIR": self.report_dir,
+            "FASTXFER_JOB_SECRET": self.secret,
             "PYTHONUNBUFFERED": "1",
         })
         return env
 
     def start(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            # PR_SET_PDEATHSIG fires when the forking *thread* exits: from another thread, the
+            # workers would be killed when that thread ends, not when the launcher does
+            raise RuntimeError("Job.start() must run on the main thread (workers die with the thread that "
+                               "started them)")
         width = len(str(self.np - 1))
+        preexec = die_with_parent(os.getpid())
         for r in range(self.np):
+            if self.interrupted is not None:
+                break  # told to stop while starting: wait() stops the ranks already running
             cmd = self.command
             if self.placement is not None:
                 w = self.placement[r]
@@ -128,11 +160,12 @@ class Job:
                        "--"] + cmd
             try:
                 p = subprocess.Popen(cmd, env=self._env(r), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
-            except OSError as e:
+                                     stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=preexec)
+            except (OSError, subprocess.SubprocessError) as e:
                 self.signal_all(signal.SIGKILL)
                 shutil.rmtree(self.report_dir, ignore_errors=True)
-                raise SystemExit(f"fastxfer run: cannot start {self.command[0]!r}: {e.strerror}") from None
+                why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+                raise SystemExit(f"fastxfer run: cannot start {self.command[0]!r}: {why}") from None
             self.procs.append(p)
             waiter = threading.Thread(target=self._wait_one, args=(r, p), daemon=True)
             waiter.start()
@@ -177,11 +210,29 @@ class Job:
                     pass
 
     def _on_signal(self, signum, _frame) -> None:
-        self.interrupted = signum
+        if self.interrupted is None:
+            self.interrupted = signum
+        else:
+            self.hurry = True  # a second stop signal: SIGKILL now, no more grace
+
+    def catch_stop_signals(self) -> None:
+        """From here on, SIGINT/SIGTERM/SIGHUP stop the job cleanly instead of killing the launcher
+        (call before start(): a signal while ranks are starting must not orphan the ones started)."""
+        if self._old_handlers is None:
+            self._old_handlers = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
+
+    def _restore_signals(self) -> None:
+        for s, h in (self._old_handlers or {}).items():
+            signal.signal(s, h)
+        self._old_handlers = None
 
     def wait(self) -> int:
-        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        """Waits for every rank; stops the job when one fails or the launcher is told to stop
+        (forward SIGTERM to every rank, SIGKILL after KILL_AFTER_S); removes the job's segments.
+        Returns the exit code; the last line on stderr says why the job ended when it failed."""
+        self.catch_stop_signals()
         stop_at = term_at = kill_at = None
+        announced = False
         try:
             while len(self.exit_times) < len(self.procs):
                 now = time.monotonic()
@@ -190,15 +241,22 @@ class Job:
                     if failure is not None:
                         r, code = failure
                         with self.lock:
-                            print(f"fastxfer run: rank {r} failed ({describe_exit(code)}); "
-                                  f"giving the other ranks {self.grace:g} s to stop", file=sys.stderr, flush=True)
+                            _say(f"fastxfer run: rank {r} failed ({describe_exit(code)}); "
+                                 f"giving the other ranks {self.grace:g} s to stop")
                         stop_at = now + self.grace
-                if self.interrupted is not None and term_at is None:
-                    stop_at = now
+                if self.interrupted is not None and not announced:
+                    announced = True
+                    with self.lock:
+                        _say(f"fastxfer run: the launcher {STOP_SIGNALS[self.interrupted]}: sending SIGTERM to every "
+                             f"rank, SIGKILL after {KILL_AFTER_S:g} s")
+                    if term_at is None:
+                        stop_at = now
                 if stop_at is not None and now >= stop_at and term_at is None:
                     self.signal_all(signal.SIGTERM)
                     term_at = now
-                    kill_at = now + 5.0
+                    kill_at = now + KILL_AFTER_S
+                if self.hurry and kill_at is not None:
+                    kill_at = min(kill_at, now)
                 if kill_at is not None and now >= kill_at:
                     self.signal_all(signal.SIGKILL)
                     kill_at = now + 1.0
@@ -206,15 +264,15 @@ class Job:
             for t in self.pumps:
                 t.join(timeout=5)
         finally:
-            for s, h in old.items():
-                signal.signal(s, h)
-            remove_job_segments(self.job_id)
+            self._restore_signals()
+            segments.remove_segments_of(os.getpid())
             reports = self.stall_reports()
             shutil.rmtree(self.report_dir, ignore_errors=True)
         first = self._first_failure()
         if self.interrupted is not None:
-            print(f"fastxfer run: interrupted by {signal.Signals(self.interrupted).name}; stopped all ranks",
-                  file=sys.stderr, flush=True)
+            states = ", ".join(f"rank {i}: {describe_exit(p.returncode)}" for i, p in enumerate(self.procs))
+            _say(f"fastxfer run: job stopped: the launcher {STOP_SIGNALS[self.interrupted]}; all ranks stopped "
+                 f"({states})")
             return 128 + self.interrupted
         if first is None:
             return 0
@@ -223,12 +281,11 @@ class Job:
         if r in reports and reports[r][0] != r:
             # the first to fail gave up waiting: blame the rank it waited for, not the messenger
             culprit, msg = reports[r]
-            print(f"fastxfer run: job failed: rank {culprit} stalled (named by rank {r}: {msg}); rank {r} gave up "
-                  f"waiting for it ({describe_exit(code)})" + (f"; {', '.join(others)}" if others else ""),
-                  file=sys.stderr, flush=True)
+            _say(f"fastxfer run: job failed: rank {culprit} stalled (named by rank {r}: {msg}); rank {r} gave up "
+                 f"waiting for it ({describe_exit(code)})" + (f"; {', '.join(others)}" if others else ""))
         else:
-            print(f"fastxfer run: job failed: rank {r} failed first ({describe_exit(code)})"
-                  + (f"; {', '.join(others)}" if others else ""), file=sys.stderr, flush=True)
+            _say(f"fastxfer run: job failed: rank {r} failed first ({describe_exit(code)})"
+                 + (f"; {', '.join(others)}" if others else ""))
         return 128 - code if code < 0 else code
 
 
@@ -262,6 +319,34 @@ def mpirun_command(np_: int, hosts: list[tuple[str, int]], command: list[str]) -
     return [mpirun, "-np", str(np_), "--host", host_arg, "-x", "PYTHONUNBUFFERED=1"] + command
 
 
+def run_mpirun(cmd: list[str], env: dict[str, str]) -> int:
+    """Runs mpirun (which stops its own ranks on every host) so that it dies with the launcher and
+    hears of a stop signal: SIGINT/SIGTERM/SIGHUP are forwarded to it as SIGTERM."""
+    try:
+        p = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent(os.getpid()))
+    except (OSError, subprocess.SubprocessError) as e:
+        raise SystemExit(f"fastxfer run: cannot start {cmd[0]!r}: {e}") from None
+    got: list[int] = []
+
+    def forward(signum, _frame):
+        got.append(signum)
+        try:
+            p.send_signal(signal.SIGTERM if len(got) == 1 else signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    old = {s: signal.signal(s, forward) for s in STOP_SIGNALS}
+    try:
+        code = p.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    if got:
+        _say(f"fastxfer run: job stopped: the launcher {STOP_SIGNALS[got[0]]}; mpirun {describe_exit(code)}")
+        return 128 + got[0]
+    return 128 - code if code < 0 else code
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-np", "--np", dest="np", type=int, required=True, help="number of workers")
     p.add_argument("--bind", choices=["socket", "numa", "none"], default="none",
@@ -284,6 +369,10 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"fastxfer run: -np must be at least 1, got {args.np}")
     if args.grace < 0:
         raise SystemExit("fastxfer run: --grace must be >= 0")
+    try:
+        segments.shm_dir()  # a bad FASTXFER_SHM_DIR is a usage error, before any rank starts
+    except FastxferError as e:
+        raise SystemExit(f"fastxfer run: {e}") from None
     sweep_stale_segments()
     if args.hosts:
         cmd = mpirun_command(args.np, parse_hosts(args.hosts), command)
@@ -291,7 +380,7 @@ def main(args: argparse.Namespace) -> int:
         if os.getuid() == 0:  # Open MPI refuses root unless told explicitly
             env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
             env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        return subprocess.call(cmd, env=env)
+        return run_mpirun(cmd, env)
     placement = None
     if args.bind != "none":
         from fastxfer import topology
@@ -304,5 +393,6 @@ def main(args: argparse.Namespace) -> int:
         for w in placement:
             print(f"fastxfer run: rank {w['local_rank']}: {w['numactl']}", file=sys.stderr, flush=True)
     job = Job(args.np, command, args.grace, placement=placement)
+    job.catch_stop_signals()
     job.start()
     return job.wait()

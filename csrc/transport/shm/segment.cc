@@ -9,13 +9,16 @@
 #include "transport/shm/segment.h"
 
 #include <fcntl.h>
+#include <pwd.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <thread>
@@ -108,9 +111,12 @@ size_t ShmSegment::rounded_window_bytes(size_t requested) {
 
 shm::Counter& ShmSegment::counter(int j, Phase phase) const { return ctl(j).phase[static_cast<int>(phase)]; }
 
-ShmSegment::ShmSegment(const ShmConfig& cfg) : cfg_(cfg) {
-  if (cfg_.size < 1 || cfg_.rank < 0 || cfg_.rank >= cfg_.size)
-    throw std::invalid_argument("bad rank " + std::to_string(cfg_.rank) + " of " + std::to_string(cfg_.size));
+std::string ShmSegment::path_of(const std::string& name) {
+  if (name.find('/', 1) != std::string::npos) return name;  // a path: FASTXFER_SHM_DIR or /dev/shm
+  return std::string("/dev/shm") + (name.empty() || name[0] != '/' ? "/" : "") + name;  // as shm_open
+}
+
+void ShmSegment::layout() {
   cfg_.window_bytes = rounded_window_bytes(cfg_.window_bytes);
   cfg_.oob_bytes = round_up(std::max<size_t>(cfg_.oob_bytes, kPage), kPage);
   if (cfg_.max_records < 1) cfg_.max_records = 1;
@@ -122,63 +128,215 @@ ShmSegment::ShmSegment(const ShmConfig& cfg) : cfg_(cfg) {
   win_off_ = oob_off_ + cfg_.oob_bytes;
   stride_ = win_off_ + cfg_.window_bytes;
   total_ = header_bytes_ + stride_ * cfg_.size;
+}
+
+namespace {
+
+std::string who(uid_t uid) {
+  std::string s = "uid " + std::to_string(uid);
+  char buf[1024];
+  struct passwd pw, *found = nullptr;
+  if (getpwuid_r(uid, &pw, buf, sizeof(buf), &found) == 0 && found) s += std::string(" (") + found->pw_name + ")";
+  return s;
+}
+
+std::string mode_str(mode_t m) {
+  char b[8];
+  std::snprintf(b, sizeof(b), "%04o", static_cast<unsigned>(m & 07777));
+  return b;
+}
+
+std::string describe_file(const struct stat& st) {
+  std::string kind = S_ISREG(st.st_mode) ? "a file" : S_ISLNK(st.st_mode) ? "a symbolic link"
+                                                    : S_ISDIR(st.st_mode) ? "a directory" : "a special file";
+  return kind + " owned by " + who(st.st_uid) + " with mode " + mode_str(st.st_mode);
+}
+
+std::string mib_number(double bytes) {  // 16 MiB -> "16", 0.25 MiB -> "0.25", 69.523 MiB -> "69.52"
+  char b[48];
+  std::snprintf(b, sizeof(b), "%.2f", bytes / (1 << 20));
+  std::string s = b;
+  while (s.back() == '0') s.pop_back();
+  if (s.back() == '.') s.pop_back();
+  return s;
+}
+std::string mib(double bytes) {
+  if (bytes < (1 << 20)) return std::to_string(static_cast<long>(bytes / 1024)) + " KiB";
+  return mib_number(bytes) + " MiB";
+}
+
+std::string dir_of(const std::string& path) {
+  size_t slash = path.rfind('/');
+  return slash == 0 ? "/" : path.substr(0, slash);
+}
+
+}  // namespace
+
+ShmSegment::ShmSegment(const ShmConfig& cfg) : cfg_(cfg), path_(path_of(cfg.name)) {
+  if (cfg_.size < 1 || cfg_.rank < 0 || cfg_.rank >= cfg_.size)
+    throw std::invalid_argument("bad rank " + std::to_string(cfg_.rank) + " of " + std::to_string(cfg_.size));
+  layout();
 
   const bool creator = cfg_.rank == 0;
   double deadline = now_s() + cfg_.attach_timeout_s;
-  if (creator) {
-    fd_ = shm_open(cfg_.name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-    if (fd_ < 0)
-      throw EngineError("cannot create shared-memory segment " + cfg_.name + ": " + errno_str(errno) +
-                        (errno == EEXIST ? " (another job uses this job id; each job needs its own)" : ""));
-    if (ftruncate(fd_, static_cast<off_t>(total_)) != 0) {
-      int e = errno;
-      shm_unlink(cfg_.name.c_str());
-      throw EngineError("cannot size shared-memory segment to " + std::to_string(total_) + " bytes: " +
-                        errno_str(e) + " (is /dev/shm large enough?)");
-    }
-  } else {
-    for (;;) {
-      fd_ = shm_open(cfg_.name.c_str(), O_RDWR, 0600);
-      if (fd_ >= 0) {
-        struct stat st;
-        if (fstat(fd_, &st) == 0 && static_cast<size_t>(st.st_size) == total_) break;
-        if (fstat(fd_, &st) == 0 && st.st_size != 0 && static_cast<size_t>(st.st_size) != total_) {
-          close(fd_);
-          throw Mismatch("ranks disagree on the job layout: the shared-memory segment has " +
-                         std::to_string(st.st_size) + " bytes, this rank expects " + std::to_string(total_) +
-                         " (same size, window and oob settings on every rank?)");
-        }
-        close(fd_);
-        fd_ = -1;
-      } else if (errno != ENOENT) {
-        throw EngineError("cannot open shared-memory segment " + cfg_.name + ": " + errno_str(errno));
-      }
-      if (now_s() > deadline)
-        throw PeerFailure("rank " + std::to_string(cfg_.rank) + " did not find the job's shared memory within " +
-                          std::to_string(static_cast<int>(cfg_.attach_timeout_s)) +
-                          " s: rank 0 never started, or the ranks are not on one host (several hosts need MPI: "
-                          "pip install 'fastxfer[mpi]' and launch with fastxfer run --hosts or mpirun)");
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-  }
+  if (creator)
+    create();
+  else
+    open_existing(deadline);
   base_ = mmap(nullptr, total_, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
   if (base_ == MAP_FAILED) {
     base_ = nullptr;
     int e = errno;
-    if (creator) shm_unlink(cfg_.name.c_str());
+    if (creator) unlink(path_.c_str());
     close(fd_);
-    throw EngineError("cannot map shared memory: " + errno_str(e));
+    throw EngineError("cannot map shared memory " + path_ + ": " + errno_str(e));
   }
   try {
     attach(creator, deadline);
   } catch (...) {
     // Leave nothing behind: the peers see the segment vanish (creator) or this rank never attach.
-    if (creator) shm_unlink(cfg_.name.c_str());
+    if (creator) unlink(path_.c_str());
     munmap(base_, total_);
     base_ = nullptr;
     close(fd_);
     fd_ = -1;
     throw;
+  }
+}
+
+void ShmSegment::create() {
+  // O_EXCL: never someone else's file under our name; O_NOFOLLOW: never through a planted link.
+  fd_ = open(path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (fd_ < 0) {
+    int e = errno;
+    struct stat st;
+    if (e == EEXIST && lstat(path_.c_str(), &st) == 0)
+      throw EngineError("refusing to create shared-memory segment " + path_ + ": " + describe_file(st) +
+                        " is already there. Segment names are fresh and unguessable at every init, so another "
+                        "local user or program put it there; this job will not share memory with it (remove it "
+                        "if it is yours, and check who can write to " + dir_of(path_) + ")");
+    if (e == ENOENT)
+      throw EngineError("cannot create shared-memory segment " + path_ + ": the directory " + dir_of(path_) +
+                        " does not exist (FASTXFER_SHM_DIR names another one; default /dev/shm)");
+    throw EngineError("cannot create shared-memory segment " + path_ + ": " + errno_str(e) +
+                      (e == EACCES ? " (FASTXFER_SHM_DIR names another directory; default /dev/shm)" : ""));
+  }
+  try {
+    reserve();
+  } catch (...) {
+    unlink(path_.c_str());
+    close(fd_);
+    fd_ = -1;
+    throw;
+  }
+}
+
+// Reserves every page of the segment now. On tmpfs, ftruncate alone only sets a size: the pages
+// are allocated when first touched, and a /dev/shm too small for them (Docker's default is 64 MB)
+// kills every rank with SIGBUS in the middle of an allreduce. fallocate allocates them all here,
+// or fails with ENOSPC while there is still a rank to say why. KEEP_SIZE, then ftruncate: the file
+// goes from 0 bytes to its full size in one step, so an attaching rank never sees a partial size.
+void ShmSegment::reserve() {
+  int rc;
+  do {
+    rc = fallocate(fd_, FALLOC_FL_KEEP_SIZE, 0, static_cast<off_t>(total_));
+  } while (rc != 0 && errno == EINTR);
+  int e = rc == 0 ? 0 : errno;
+  if (e == EOPNOTSUPP || e == ENOSYS) {
+    // a file system without fallocate (FASTXFER_SHM_DIR elsewhere): size it, then have
+    // posix_fallocate write every block (attaching ranks wait for the header's magic anyway)
+    if (ftruncate(fd_, static_cast<off_t>(total_)) != 0) {
+      e = errno;
+    } else {
+      do {
+        e = posix_fallocate(fd_, 0, static_cast<off_t>(total_));
+      } while (e == EINTR);
+    }
+  } else if (e == 0 && ftruncate(fd_, static_cast<off_t>(total_)) != 0) {
+    e = errno;
+  }
+  if (e == 0) return;
+  const std::string dir = dir_of(path_);
+  std::string msg = "cannot reserve the shared-memory segment for " + std::to_string(cfg_.size) + " ranks: it needs " +
+                    mib(total_) + " (" + std::to_string(total_) + " bytes) in " + dir;
+  struct statvfs vfs;
+  const bool known = statvfs(dir.c_str(), &vfs) == 0;
+  const double free_bytes = known ? static_cast<double>(vfs.f_bavail) * vfs.f_frsize : 0;
+  if (known) msg += ", and only " + mib(free_bytes) + " is free there";
+  msg += " (" + errno_str(e) + ").";
+  if (e == ENOSPC || e == ENOMEM || e == EDQUOT || e == EFBIG) {
+    const double need_mib = std::ceil(static_cast<double>(total_) / (1 << 20));
+    msg += " Give " + dir + " more room (Docker: docker run --shm-size=" + std::to_string(static_cast<long>(need_mib)) +
+           "m or more; Kubernetes: an emptyDir volume with medium: Memory mounted there), point FASTXFER_SHM_DIR at a "
+           "directory with room (a larger tmpfs), or shrink each rank's staging window with FASTXFER_SHM_WINDOW_MB (now " +
+           mib_number(cfg_.window_bytes) + "; the segment is " +
+           mib(header_bytes_) + " + " + std::to_string(cfg_.size) + " x (" + mib(stride_ - cfg_.window_bytes) +
+           " + the window))";
+    if (known) {
+      // the largest window, in quarter MiB, that fits in what is free now
+      const double per_rank = (free_bytes - header_bytes_) / cfg_.size - static_cast<double>(stride_ - cfg_.window_bytes);
+      const double q = std::floor(per_rank / (1 << 18)) / 4;
+      if (q >= 0.25) {
+        char b[32];
+        std::snprintf(b, sizeof(b), "%g", q);
+        msg += std::string("; FASTXFER_SHM_WINDOW_MB=") + b + " or less fits in what is free now";
+      } else {
+        msg += "; not even the smallest window fits in what is free now";
+      }
+    }
+    msg += ".";
+  }
+  throw EngineError(msg);
+}
+
+void ShmSegment::open_existing(double deadline) {
+  const uid_t me = geteuid();
+  for (;;) {
+    fd_ = open(path_.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC);
+    if (fd_ >= 0) {
+      struct stat st;
+      if (fstat(fd_, &st) != 0) {
+        int e = errno;
+        close(fd_);
+        fd_ = -1;
+        throw EngineError("cannot inspect shared-memory segment " + path_ + ": " + errno_str(e));
+      }
+      // Only a segment this user made for this job, and nobody else can write: checked on the open
+      // file, before mapping, so it cannot be swapped between the check and the mmap.
+      if (!S_ISREG(st.st_mode) || st.st_uid != me || (st.st_mode & 077) != 0) {
+        close(fd_);
+        fd_ = -1;
+        throw EngineError("refusing to use shared-memory segment " + path_ + ": it is " + describe_file(st) +
+                          ", but this job's segments are files owned by " + who(me) +
+                          " with mode 0600. Another local user or program created it under this job's name; "
+                          "this rank will not share memory with it");
+      }
+      if (static_cast<size_t>(st.st_size) == total_) return;
+      close(fd_);
+      fd_ = -1;
+      if (st.st_size != 0)
+        throw Mismatch("ranks disagree on the job layout: the shared-memory segment has " +
+                       std::to_string(st.st_size) + " bytes, this rank expects " + std::to_string(total_) +
+                       " (same size, window and oob settings on every rank?)");
+    } else if (errno == EACCES || errno == EPERM || errno == ELOOP) {
+      int e = errno;
+      struct stat st;
+      if (lstat(path_.c_str(), &st) == 0)
+        throw EngineError("refusing to use shared-memory segment " + path_ + ": it is " + describe_file(st) +
+                          ", but this job's segments are files owned by " + who(me) +
+                          " with mode 0600. Another local user or program created it under this job's name");
+      throw EngineError("cannot open shared-memory segment " + path_ + ": " + errno_str(e));
+    } else if (errno != ENOENT) {
+      throw EngineError("cannot open shared-memory segment " + path_ + ": " + errno_str(errno));
+    }
+    if (now_s() > deadline)
+      throw PeerFailure("rank " + std::to_string(cfg_.rank) + " did not find the job's shared memory (" + path_ +
+                        ") within " + std::to_string(static_cast<int>(cfg_.attach_timeout_s)) +
+                        " s: rank 0 never started or failed first (see its error), the ranks called "
+                        "fastxfer.init() different numbers of times, or they are not on one host (several "
+                        "hosts need MPI: pip install 'fastxfer[mpi]' and launch with fastxfer run --hosts or "
+                        "mpirun)");
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
 }
 
@@ -220,7 +378,7 @@ void ShmSegment::attach(bool creator, double deadline) {
     shm::sleep_on(h->attached, seen, 50);
   }
   // Everyone has it mapped: drop the name so no crash can leave the segment behind.
-  if (creator) shm_unlink(cfg_.name.c_str());
+  if (creator) unlink(path_.c_str());
 }
 
 void ShmSegment::publish(Phase phase, uint32_t value) { shm::publish(counter(cfg_.rank, phase), value); }

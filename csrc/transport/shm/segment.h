@@ -14,7 +14,10 @@
 namespace fastxfer {
 
 struct ShmConfig {
-  std::string name;            // "/fastxfer-..." — unguessable, per job (from the launcher or MPI)
+  // Where the segment lives: a path ("/dev/shm/fastxfer-<pid>-<tag>", or under FASTXFER_SHM_DIR),
+  // or a bare POSIX shm name ("/fastxfer-...", meaning /dev/shm/fastxfer-...). Fresh and
+  // unguessable at every init (fastxfer/comm/segments.py derives it; docs/architecture.md).
+  std::string name;
   int rank = 0;                // rank among the processes sharing this segment
   int size = 1;
   size_t window_bytes = 16u << 20;  // per-rank staging window (two halves, double-buffered)
@@ -35,8 +38,11 @@ static_assert(static_cast<int>(Phase::kOobConsumed) + 1 == kPhases, "one counter
 
 class ShmSegment {
  public:
-  // Rank 0 creates the segment (O_EXCL, mode 0600), the others open it; once all have attached,
-  // rank 0 unlinks the name, so nothing is left in /dev/shm even if every rank is killed later.
+  // Rank 0 creates the segment (O_CREAT | O_EXCL | O_NOFOLLOW, mode 0600) and reserves all its
+  // pages up front, so a full /dev/shm is a clear error here and never a SIGBUS later; the others
+  // open it and refuse it unless it is a regular file owned by their own euid with no group or
+  // other permission bits. Once all have attached, rank 0 unlinks the name, so nothing is left in
+  // /dev/shm even if every rank is killed later.
   explicit ShmSegment(const ShmConfig& cfg);
   ~ShmSegment();
   ShmSegment(const ShmSegment&) = delete;
@@ -44,6 +50,8 @@ class ShmSegment {
 
   // The window size the segment really uses for a requested one (whole pages per half).
   static size_t rounded_window_bytes(size_t requested);
+  // The file a ShmConfig::name refers to ("/fastxfer-x" -> "/dev/shm/fastxfer-x"; a path stays).
+  static std::string path_of(const std::string& name);
 
   int rank() const { return cfg_.rank; }
   int size() const { return cfg_.size; }
@@ -77,7 +85,11 @@ class ShmSegment {
   struct Header;
   struct Control;
 
-  void attach(bool creator, double deadline);  // the constructor's part after mmap
+  void layout();                                // offsets and total_ from cfg_
+  void create();                                // rank 0: exclusive create + reserve every page
+  void open_existing(double deadline);          // the others: wait for it, check owner and mode
+  void reserve();                               // fallocate the whole segment, or a clear error
+  void attach(bool creator, double deadline);   // the constructor's part after mmap
   Control& ctl(int j) const;
   shm::Counter& counter(int j, Phase phase) const;
   struct WaitInfo;
@@ -88,6 +100,7 @@ class ShmSegment {
   void report_stall(int culprit, const std::string& msg) const;
 
   ShmConfig cfg_;
+  std::string path_;  // the segment's file (path_of(cfg_.name))
   int fd_ = -1;
   void* base_ = nullptr;
   size_t total_ = 0;

@@ -3,7 +3,7 @@
 The layout comes from whichever launcher started the process:
 
 ==================  ==============================================================
-``fastxfer run``    FASTXFER_RANK, FASTXFER_SIZE, FASTXFER_LOCAL_RANK, FASTXFER_JOB_ID
+``fastxfer run``    FASTXFER_RANK, FASTXFER_SIZE, FASTXFER_LOCAL_RANK, FASTXFER_JOB_ID, FASTXFER_JOB_SECRET
 Open MPI mpirun     OMPI_COMM_WORLD_RANK / _SIZE (rendezvous through mpi4py)
 MPICH / PMI         PMI_RANK / PMI_SIZE (rendezvous through mpi4py)
 horovodrun (MPI)    HOROVOD_RANK / HOROVOD_SIZE (rendezvous through mpi4py)
@@ -11,7 +11,8 @@ nothing             a single process: rank 0 of 1
 ==================  ==============================================================
 
 Ranks that share a host are found by host identity (host name + kernel boot id), exchanged over
-MPI, never by trusting a LOCAL_SIZE variable.
+MPI, never by trusting a LOCAL_SIZE variable. Every init() gets a fresh shared-memory segment name
+(comm/segments.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections.abc import Callable
 
 from fastxfer import _core, topology
 from fastxfer import _validate as check
+from fastxfer.comm import segments
 from fastxfer.comm.mpi import MPIInterHost
 from fastxfer.errors import FastxferError
 
@@ -38,7 +40,7 @@ class Layout:
     size: int
     local_rank: int
     local_size: int
-    segment: str  # shared-memory segment name of this host's ranks
+    segment: str  # path of this host's shared-memory segment, fresh at every init (comm/segments.py)
     source: str   # which launcher the layout came from
     hosts: int = 1
     inter_host: MPIInterHost | None = None  # the link between hosts when the job spans several
@@ -111,24 +113,36 @@ def _mpi_rendezvous(rank: int, size: int, source: str) -> Layout:
     inter = None
     if len(order) > 1:
         inter = MPIInterHost(comm, mine.index(rank), host_index)
-    return Layout(rank, size, mine.index(rank), len(mine), f"/fastxfer-{creator_pid}-{token}-h{host_index}", source,
-                  len(order), inter)
+    name = segments.random_segment_name(creator_pid, token, f"-h{host_index}")
+    return Layout(rank, size, mine.index(rank), len(mine), segments.path(name), source, len(order), inter)
 
 
-def detect_layout() -> Layout:
-    """The layout from the launcher's environment (see the table above); FastxferError when it is inconsistent."""
+def detect_layout(generation: int = 0) -> Layout:
+    """The layout from the launcher's environment (see the table above); FastxferError when it is inconsistent.
+
+    ``generation`` counts this process's init()s; under `fastxfer run` it picks the segment name
+    (every rank of a host counts the same, so they agree on it without talking)."""
     env = os.environ
     if "FASTXFER_RANK" in env or "FASTXFER_SIZE" in env:
         rank, size = _int_env(["FASTXFER_RANK"]), _int_env(["FASTXFER_SIZE"])
         job = env.get("FASTXFER_JOB_ID", "")
-        if rank is None or size is None or not job:
-            raise FastxferError("FASTXFER_RANK, FASTXFER_SIZE and FASTXFER_JOB_ID must all be set (by `fastxfer run`)")
+        secret = env.get("FASTXFER_JOB_SECRET", "")
+        if rank is None or size is None or not job or not secret:
+            raise FastxferError("FASTXFER_RANK, FASTXFER_SIZE, FASTXFER_JOB_ID and FASTXFER_JOB_SECRET must all be "
+                                "set (by `fastxfer run`)")
+        if len(secret) < 32:
+            raise FastxferError("FASTXFER_JOB_SECRET is too short to be unguessable (`fastxfer run` sets 64 hex digits)")
         if not 0 <= rank < size:
             raise FastxferError(f"FASTXFER_RANK={rank} is outside 0..{size - 1}")
+        try:
+            launcher = int(job.split("-", 1)[0])
+        except ValueError:
+            raise FastxferError(f"FASTXFER_JOB_ID={job!r} does not start with the launcher's pid") from None
         local_rank = _int_env(["FASTXFER_LOCAL_RANK"])
         local_size = _int_env(["FASTXFER_LOCAL_SIZE"])
+        name = segments.job_segment_name(launcher, job, secret, generation)
         return Layout(rank, size, rank if local_rank is None else local_rank, size if local_size is None else local_size,
-                      f"/fastxfer-{job}", "fastxfer run")
+                      segments.path(name), "fastxfer run")
     for source, rank_vars, size_vars in (
         ("Open MPI", ["OMPI_COMM_WORLD_RANK"], ["OMPI_COMM_WORLD_SIZE"]),
         ("horovodrun", ["HOROVOD_RANK"], ["HOROVOD_SIZE"]),
@@ -139,12 +153,14 @@ def detect_layout() -> Layout:
             if size == 1:
                 break
             return _mpi_rendezvous(rank, size, source)
-    return Layout(0, 1, 0, 1, f"/fastxfer-{os.getpid()}-{secrets.token_hex(16)}", "single process")
+    return Layout(0, 1, 0, 1, segments.path(segments.random_segment_name(os.getpid(), secrets.token_hex(16))),
+                  "single process")
 
 
 _lock = threading.RLock()
 _engine: _core.Engine | None = None
 _layout: Layout | None = None
+_generation = 0  # init()s so far in this process: picks the next segment name (comm/segments.py)
 _shutdown_hooks: list[Callable[[], None]] = []
 
 
@@ -200,13 +216,15 @@ def init(*, timeout: float | None = None, engine_cpus: list[int] | str | None = 
     ``engine_cpus``: pin the engine thread (default FASTXFER_ENGINE_CPUS, else unpinned).
     ``bucket_cap_mb``: the fusion bucket cap (default FASTXFER_BUCKET_CAP_MB, else 25).
     """
-    global _engine, _layout
+    global _engine, _layout, _generation
     with _lock:
         if _engine is not None:
             return
         if _forked_from is not None:
             raise _forked_error()
-        layout = detect_layout()
+        generation = _generation
+        _generation += 1  # every init() that gets this far, failed ones too: all ranks count alike
+        layout = detect_layout(generation)
         window = int(_float_env("FASTXFER_SHM_WINDOW_MB", 16) * (1 << 20))
         oob = int(_float_env("FASTXFER_OOB_KB", 1024) * 1024)
         cap = (check.bucket_cap_bytes(bucket_cap_mb) if bucket_cap_mb is not None
