@@ -110,7 +110,7 @@ void bind_engine(py::module_& m) {
                        double timeout_s, double attach_timeout_s, int threads, std::vector<int> cpus,
                        size_t bucket_cap_bytes, int max_records, size_t stream_min_bytes, py::object inter_host,
                        const std::string& timeline_path, int timeline_rank, double spin_us,
-                       double stall_warning_s, const std::string& report_dir) {
+                       double stall_warning_s, const std::string& report_dir, int linger_us) {
              JobConfig job;
              job.shm.name = name;
              job.shm.rank = rank;
@@ -123,6 +123,7 @@ void bind_engine(py::module_& m) {
              job.shm.spin_us = spin_us;
              job.shm.stall_warning_s = stall_warning_s;
              job.shm.report_dir = report_dir;
+             job.engine.linger_us = linger_us;
              job.threads = threads;
              job.stream_min_bytes = stream_min_bytes;
              job.engine.bucket_cap_bytes = bucket_cap_bytes;
@@ -139,7 +140,7 @@ void bind_engine(py::module_& m) {
            py::arg("timeout_s"), py::arg("attach_timeout_s"), py::arg("threads"), py::arg("cpus"),
            py::arg("bucket_cap_bytes"), py::arg("max_records"), py::arg("stream_min_bytes"),
            py::arg("inter_host") = py::none(), py::arg("timeline_path") = "", py::arg("timeline_rank") = 0,
-           py::arg("spin_us") = 50.0, py::arg("stall_warning_s") = 60.0, py::arg("report_dir") = "")
+           py::arg("spin_us") = 50.0, py::arg("stall_warning_s") = 60.0, py::arg("report_dir") = "", py::arg("linger_us") = 0)
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("size", &Engine::size)
       .def_property_readonly("oob_capacity", &Engine::oob_capacity)
@@ -150,7 +151,7 @@ void bind_engine(py::module_& m) {
           "submit",
           [](Engine& eng, const std::string& kind, const std::string& name, py::object input, py::object output,
              const std::string& op, const std::string& compression, int root, double prescale, double postscale,
-             int64_t bucket_cap) {
+             int64_t bucket_cap, bool defer) {
             Request r;
             r.kind = kind_from_name(kind);
             r.op = op_from_name(op);
@@ -172,11 +173,11 @@ void bind_engine(py::module_& m) {
             }
             r.rec = make_record(r.kind, name, r.dtype, shape, r.op, r.compression, root, prescale, postscale);
             r.rec.bucket_cap = bucket_cap;
-            return eng.submit(std::move(r));
+            return eng.submit(std::move(r), defer);
           },
           py::arg("kind"), py::arg("name"), py::arg("input"), py::arg("output"), py::arg("op") = "sum",
           py::arg("compression") = "none", py::arg("root") = 0, py::arg("prescale") = 1.0,
-          py::arg("postscale") = 1.0, py::arg("bucket_cap") = 0)
+          py::arg("postscale") = 1.0, py::arg("bucket_cap") = 0, py::arg("defer") = false)
       .def("wait", &Engine::wait, py::arg("id"), py::call_guard<py::gil_scoped_release>())
       .def("done", &Engine::done, py::arg("id"))
       .def("release", &Engine::release, py::arg("id"))

@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -83,7 +84,7 @@ void Engine::throw_error(ErrorKind kind, const std::string& msg) const {
   }
 }
 
-uint64_t Engine::submit(Request req) {
+uint64_t Engine::submit(Request req, bool defer) {
   // Invariants the bucket planner relies on (fastxfer/_validate.py gives users the friendly message).
   if (req.compression != Compression::kNone && req.dtype != DType::kFloat32)
     throw std::invalid_argument(std::string("compression applies to float32 tensors, not ") + dtype_name(req.dtype));
@@ -102,7 +103,7 @@ uint64_t Engine::submit(Request req) {
   uint64_t id = req.id;
   status_[id] = Status{};
   queue_.push_back(std::make_unique<Request>(std::move(req)));
-  work_cv_.notify_one();
+  if (!defer && !lingering_) work_cv_.notify_one();
   return id;
 }
 
@@ -111,11 +112,35 @@ void Engine::wait(uint64_t id) {
   std::unique_lock<std::mutex> lk(mu_);
   auto unknown = [&] { return std::invalid_argument("unknown or already released handle " + std::to_string(id)); };
   if (status_.find(id) == status_.end()) throw unknown();
-  // Look the entry up afresh after each wake-up: another thread may have released it.
-  done_cv_.wait(lk, [&] {
+  // While my request is not done: if nobody is running a round, run it here instead of handing it
+  // to the engine thread and sleeping until it hands the result back. A synchronous call then
+  // costs no thread hand-off at all (two context switches, each a scheduler wait on a busy
+  // machine: docs/architecture.md, "Who runs a round").
+  for (;;) {
+    // Look the entry up afresh after each wake-up: another thread may have released it.
     auto it = status_.find(id);
-    return it == status_.end() || it->second.finished;
-  });
+    if (it == status_.end() || it->second.finished) break;
+    if (!driving_ && !queue_.empty() && fatal_ == ErrorKind::kNone && !stop_ && !stopped_) {
+      driving_ = true;
+      lk.unlock();
+      bool last = false;
+      try {
+        last = run_round();
+      } catch (const PeerFailure& e) {
+        fail_from(ErrorKind::kPeerFailure, e.what());
+      } catch (const Mismatch& e) {
+        fail_from(ErrorKind::kMismatch, e.what());
+      } catch (const std::exception& e) {
+        fail_from(ErrorKind::kEngine, e.what());
+      }
+      lk.lock();
+      driving_ = false;
+      (void)last;  // after the shutdown round the queue stays empty; shutdown() stops the thread
+      work_cv_.notify_one();  // the engine thread takes over whatever is queued now
+      continue;
+    }
+    done_cv_.wait(lk);
+  }
   auto it = status_.find(id);
   if (it == status_.end()) throw unknown();
   if (it->second.error != ErrorKind::kNone) throw_error(it->second.error, it->second.message);
@@ -249,74 +274,122 @@ void Engine::fail_all(ErrorKind kind, const std::string& msg) {
     }
     done_cv_.notify_all();
   }
+  work_cv_.notify_all();  // the engine thread stops
   fail_callbacks(first, first_msg);
+}
+
+// One negotiation round and the batch it agrees on, on whichever thread holds `driving_`: the
+// engine thread, or a thread waiting for its own request (see wait()). Returns whether the batch
+// ended with the shutdown request. Throws what the collectives throw.
+bool Engine::run_round() {
+  const bool tl = timeline_.enabled();
+  std::vector<Record> recs;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    size_t m = std::min(queue_.size(), static_cast<size_t>(cfg_.max_records));
+    for (size_t i = 0; i < m; ++i) recs.push_back(queue_[i]->rec);
+  }
+  if (recs.empty()) return false;
+  const double t_round = tl ? timeline_.now() : 0;
+  auto all = comm_->exchange_records(recs);
+  size_t agreed = recs.size();
+  for (const auto& l : all) agreed = std::min(agreed, l.size());
+  if (tl) {
+    const double t = timeline_.now();
+    timeline_.span(Timeline::kEngineLane, "engine", "negotiate", t_round, t,
+                   "\"offered\": " + std::to_string(recs.size()) + ", \"agreed\": " + std::to_string(agreed));
+  }
+  for (size_t i = 0; i < agreed; ++i) {
+    for (size_t j = 1; j < all.size(); ++j) {
+      std::string diff = compare_records(all[0][i], 0, all[j][i], static_cast<int>(j));
+      if (!diff.empty())
+        throw Mismatch("collective #" + std::to_string(executed_ + i + 1) + ": " + diff +
+                       ". Every rank must issue the same collectives, with the same names, shapes, "
+                       "dtypes and options, in the same order.");
+    }
+  }
+  if (agreed == 0) return false;
+  std::vector<Request*> batch;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (size_t i = 0; i < agreed; ++i) {
+      Request* r = queue_.front().get();
+      active_[r->id] = std::move(queue_.front());
+      queue_.pop_front();
+      batch.push_back(r);
+      if (tl) r->t_agreed = timeline_.now();
+    }
+  }
+  // Read before running: once a request is finished, the waiting thread may release it.
+  const bool last = batch.back()->kind == CollectiveKind::kShutdown;
+  run_batch(batch, all);
+  executed_ += agreed;
+  return last;
+}
+
+void Engine::fail_from(ErrorKind kind, const std::string& msg) {
+  fail_all(kind, msg);
+  comm_->mark_exited(false, msg.c_str(), kind == ErrorKind::kMismatch);
 }
 
 void Engine::loop() {
   try {
     for (;;) {
-      std::vector<Record> recs;
       const bool tl = timeline_.enabled();
       double t_idle = tl ? timeline_.now() : 0;
       {
         std::unique_lock<std::mutex> lk(mu_);
-        if (queue_.empty()) {
-          comm_->set_engine_idle(true);
-          work_cv_.wait(lk, [&] { return !queue_.empty() || stop_ || fatal_ != ErrorKind::kNone; });
+        auto ready = [&] { return (!queue_.empty() && !driving_) || stop_ || fatal_ != ErrorKind::kNone; };
+        if (!ready()) {
+          comm_->set_engine_idle(queue_.empty());
+          work_cv_.wait(lk, ready);
           comm_->set_engine_idle(false);
         }
-        if (stop_) break;
-        if (fatal_ != ErrorKind::kNone) throw EngineError(fatal_msg_);
-        size_t m = std::min(queue_.size(), static_cast<size_t>(cfg_.max_records));
-        for (size_t i = 0; i < m; ++i) recs.push_back(queue_[i]->rec);
+        // A failure recorded by another thread (a waiter driving a round, the out-of-band lane)
+        // has already been published to the peers, with its kind: nothing more to say here.
+        if (stop_ || fatal_ != ErrorKind::kNone) break;
+        // Linger: requests that arrive back to back (a backward pass's last gradients, a small
+        // model's whole step) go into one round instead of one round each. Sleep, not spin: with
+        // one core per worker the thread producing them needs this core. Submissions do not
+        // wake a lingering engine; a waiter may take the round over meanwhile (driving_).
+        if (cfg_.linger_us > 0) {
+          const auto cap = std::chrono::steady_clock::now() + std::chrono::microseconds(cfg_.linger_us * 8);
+          size_t n = queue_.size();
+          while (n < static_cast<size_t>(cfg_.max_records)) {
+            lingering_ = true;
+            work_cv_.wait_for(lk, std::chrono::microseconds(cfg_.linger_us));
+            lingering_ = false;
+            if (stop_ || fatal_ != ErrorKind::kNone || driving_ || queue_.size() == n ||
+                std::chrono::steady_clock::now() > cap)
+              break;
+            n = queue_.size();
+          }
+          if (stop_ || fatal_ != ErrorKind::kNone) break;
+          if (driving_ || queue_.empty()) continue;
+        }
+        driving_ = true;
       }
-      double t_round = tl ? timeline_.now() : 0;
-      if (tl && t_round - t_idle > 1.0) timeline_.span(Timeline::kEngineLane, "engine", "idle", t_idle, t_round);
-      auto all = comm_->exchange_records(recs);
-      size_t agreed = recs.size();
-      for (const auto& l : all) agreed = std::min(agreed, l.size());
       if (tl) {
         const double t = timeline_.now();
-        timeline_.span(Timeline::kEngineLane, "engine", "negotiate", t_round, t,
-                       "\"offered\": " + std::to_string(recs.size()) + ", \"agreed\": " + std::to_string(agreed));
+        if (t - t_idle > 1.0) timeline_.span(Timeline::kEngineLane, "engine", "idle", t_idle, t);
       }
-      for (size_t i = 0; i < agreed; ++i) {
-        for (size_t j = 1; j < all.size(); ++j) {
-          std::string diff = compare_records(all[0][i], 0, all[j][i], static_cast<int>(j));
-          if (!diff.empty())
-            throw Mismatch("collective #" + std::to_string(executed_ + i + 1) + ": " + diff +
-                           ". Every rank must issue the same collectives, with the same names, shapes, "
-                           "dtypes and options, in the same order.");
-        }
-      }
-      std::vector<Request*> batch;
+      const bool last = run_round();
       {
         std::lock_guard<std::mutex> lk(mu_);
-        for (size_t i = 0; i < agreed; ++i) {
-          Request* r = queue_.front().get();
-          active_[r->id] = std::move(queue_.front());
-          queue_.pop_front();
-          batch.push_back(r);
-          if (tl) r->t_agreed = timeline_.now();
-        }
+        driving_ = false;
       }
-      // Read before running: once a request is finished, the waiting thread may release it.
-      const bool last = batch.back()->kind == CollectiveKind::kShutdown;
-      run_batch(batch, all);
-      executed_ += agreed;
+      done_cv_.notify_all();  // waiters whose requests are still queued may drive the next round
       if (last) break;
     }
   } catch (const PeerFailure& e) {
-    fail_all(ErrorKind::kPeerFailure, e.what());
-    comm_->mark_exited(false, e.what());
+    fail_from(ErrorKind::kPeerFailure, e.what());
   } catch (const Mismatch& e) {
-    fail_all(ErrorKind::kMismatch, e.what());
-    comm_->mark_exited(false, e.what(), true);
+    fail_from(ErrorKind::kMismatch, e.what());
   } catch (const std::exception& e) {
-    fail_all(ErrorKind::kEngine, e.what());
-    comm_->mark_exited(false, e.what());
+    fail_from(ErrorKind::kEngine, e.what());
   }
   std::lock_guard<std::mutex> lk(mu_);
+  driving_ = false;
   stopped_ = true;
   done_cv_.notify_all();
 }

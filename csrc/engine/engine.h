@@ -28,14 +28,15 @@ struct EngineConfig {
   std::vector<int> cpus;        // pin the engine thread to these CPUs (empty: no pinning)
   std::string timeline_path;    // FASTXFER_TIMELINE (empty: no timeline)
   int timeline_rank = 0;        // the rank the timeline names (its Chrome-trace pid)
+  int linger_us = 0;            // wait this long for more requests before a round (FASTXFER_LINGER_US)
 };
 
 enum class ErrorKind : int { kNone = 0, kPeerFailure, kMismatch, kEngine, kInvalid };
 
 struct Request;
 // Completion callback of a request nobody waits for (the TensorFlow ops, engine/c_api.h): called
-// exactly once, without the engine's lock, on the engine thread (or on the thread that stops a
-// failed engine), with the request still intact (an allgather's result readable); the engine
+// exactly once, without the engine's lock, on the thread running the round (the engine thread or a
+// waiter driving it, see Engine::wait) or on the thread that stops a failed engine, with the request still intact (an allgather's result readable); the engine
 // forgets the request as soon as it returns.
 using DoneCallback = std::function<void(Request&, ErrorKind, const std::string&)>;
 
@@ -68,9 +69,12 @@ class Engine {
   int size() const { return comm_->size(); }
 
   // Queues a request (its `id` is assigned here) and returns at once. Throws the engine's error
-  // if it has already failed.
-  uint64_t submit(Request req);
-  // Blocks until request `id` is done; throws its error. Call without holding the GIL.
+  // if it has already failed. `defer`: do not wake the engine thread, because the caller is about
+  // to wait() for the request and will run it itself (a synchronous call).
+  uint64_t submit(Request req, bool defer = false);
+  // Blocks until request `id` is done; throws its error. Call without holding the GIL. When no
+  // round is running, the calling thread runs the next one itself instead of waking the engine
+  // thread (so a synchronous collective costs no thread hand-off).
   void wait(uint64_t id);
   bool done(uint64_t id);
   // Requests the engine still tracks: queued, running, or finished but not yet waited for.
@@ -111,6 +115,8 @@ class Engine {
   };
 
   void loop();
+  bool run_round();
+  void fail_from(ErrorKind kind, const std::string& msg);  // fail everything and tell the peers
   void run_batch(const std::vector<Request*>& batch, const std::vector<std::vector<Record>>& all);
   void finish(Request* r);
   // Timeline spans of one request that ran from t0 to t1 (before finish(r)).
@@ -135,6 +141,8 @@ class Engine {
   uint64_t executed_ = 0;
   uint64_t buckets_ = 0;   // buckets run so far (timeline labels)  // requests agreed and run (the same count on every rank)
   bool stop_ = false, stopped_ = false, shutdown_requested_ = false;
+  bool driving_ = false;    // a thread (engine or waiter) is running a round: only one at a time
+  bool lingering_ = false;  // the engine thread waits for more requests before a round
   ErrorKind fatal_ = ErrorKind::kNone;
   std::string fatal_msg_;
   std::mutex oob_mu_;

@@ -175,9 +175,10 @@ class Engine:
         """Whether the engine thread is still serving requests."""
     def submit(self, kind: str, name: str, input: np.ndarray | None, output: np.ndarray | None, op: str = "sum",
                compression: str = "none", root: int = 0, prescale: float = 1.0, postscale: float = 1.0,
-               bucket_cap: int = 0) -> int:
+               bucket_cap: int = 0, defer: bool = False) -> int:
         """Queue a collective ('allreduce', 'broadcast', 'allgather', 'barrier'); returns its request id.
-        The buffers must stay alive and unchanged until release()."""
+        The buffers must stay alive and unchanged until release(). ``defer``: do not wake the engine
+        thread; the caller waits at once and runs the round itself."""
     def wait(self, id: int) -> None:
         """Block (without the GIL) until the request finishes; raises its error."""
     def done(self, id: int) -> bool:

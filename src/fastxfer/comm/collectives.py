@@ -91,7 +91,7 @@ class Handle:
 
 
 def _submit(kind: str, name, arr, out, op="sum", compression="none", root=0, prescale=1.0, postscale=1.0,
-            shape=None, dtype=None, bucket_cap=0) -> Handle:
+            shape=None, dtype=None, bucket_cap=0, sync=False) -> Handle:
     eng = group.engine()
     if name is None:
         name = _auto_name(kind)
@@ -99,7 +99,9 @@ def _submit(kind: str, name, arr, out, op="sum", compression="none", root=0, pre
         raise TypeError(f"name must be a str, not {type(name).__name__}")
     with _lock:
         _sweep(eng)
-        rid = eng.submit(kind, name, arr, out, op, compression, root, float(prescale), float(postscale), bucket_cap)
+        # sync: the caller waits at once, and its wait() runs the round on this thread (engine.h)
+        rid = eng.submit(kind, name, arr, out, op, compression, root, float(prescale), float(postscale), bucket_cap,
+                         sync)
         _keepalive[rid] = (arr, out)
     return Handle(eng, rid, out, kind, shape, dtype)
 
@@ -119,11 +121,15 @@ def allreduce_async(array, op: str = "average", compression: str = "none", name:
     cap for this request (consecutive requests fuse only when their caps agree; every rank must
     pass the same value); None uses ``init``'s.
     """
+    return _allreduce(array, op, compression, name, prescale, postscale, out, bucket_cap_mb, False)
+
+
+def _allreduce(array, op, compression, name, prescale, postscale, out, bucket_cap_mb, sync) -> Handle:
     a = check.array(array)
     op, compression, prescale, post, cap = allreduce_settings(a.dtype, op, compression, prescale, postscale,
                                                               bucket_cap_mb)
     out = _fresh_like(a) if out is None else check.out_like(out, a)
-    return _submit("allreduce", name, a, out, op, compression, 0, prescale, post, bucket_cap=cap)
+    return _submit("allreduce", name, a, out, op, compression, 0, prescale, post, bucket_cap=cap, sync=sync)
 
 
 def allreduce_settings(dtype, op, compression, prescale, postscale, bucket_cap_mb):
@@ -152,7 +158,7 @@ def allreduce(array, op: str = "average", compression: str = "none", name: str |
               prescale: float = 1.0, postscale: float = 1.0, out: np.ndarray | None = None,
               bucket_cap_mb: float | None = None) -> np.ndarray:
     """Reduce ``array`` across all ranks and return the result (see allreduce_async)."""
-    return allreduce_async(array, op, compression, name, prescale, postscale, out, bucket_cap_mb).wait()
+    return _allreduce(array, op, compression, name, prescale, postscale, out, bucket_cap_mb, True).wait()
 
 
 def oob_allreduce(array, op: str = "average", name: str | None = None) -> np.ndarray:
@@ -179,7 +185,7 @@ def broadcast(array, root: int = 0, name: str | None = None) -> np.ndarray:
     if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < size:
         raise ValueError(f"root must be a rank in 0..{size - 1}, not {root!r}")
     out = _fresh_like(a)
-    return _submit("broadcast", name, a, out, root=int(root)).wait()
+    return _submit("broadcast", name, a, out, root=int(root), sync=True).wait()
 
 
 def allgather(array, name: str | None = None) -> np.ndarray:
@@ -190,12 +196,12 @@ def allgather(array, name: str | None = None) -> np.ndarray:
         raise ValueError("allgather needs at least one dimension (concatenates along axis 0); use a[None]")
     if a.ndim > 8:
         raise ValueError(f"allgather supports at most 8 dimensions, not {a.ndim}; reshape first")
-    return _submit("allgather", name, a, None, shape=a.shape, dtype=a.dtype).wait()
+    return _submit("allgather", name, a, None, shape=a.shape, dtype=a.dtype, sync=True).wait()
 
 
 def barrier() -> None:
     """Returns once every rank has called barrier()."""
-    _submit("barrier", "barrier", None, None).wait()
+    _submit("barrier", "barrier", None, None, sync=True).wait()
 
 
 def broadcast_object(obj, root: int = 0):
