@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import glob
 import os
 import secrets
 import shutil
@@ -64,6 +65,25 @@ def die_with_parent(parent_pid: int):
             kill(getpid(), sigkill)
 
     return preexec
+
+
+REPORT_PREFIX = "fastxfer-report-"
+
+
+def sweep_stale_report_dirs() -> list[str]:
+    """Remove this user's stall-report folders whose launcher (pid in the name) is gone (a launcher
+    killed with SIGKILL cannot remove its own)."""
+    removed = []
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), REPORT_PREFIX + "*")):
+        try:
+            pid = int(os.path.basename(path)[len(REPORT_PREFIX):].split("-", 1)[0])
+            if os.lstat(path).st_uid != os.getuid() or segments.pid_alive(pid):
+                continue
+            shutil.rmtree(path)
+            removed.append(path)
+        except (ValueError, OSError):
+            continue
+    return removed
 
 
 def sweep_stale_segments() -> list[str]:
@@ -120,7 +140,7 @@ class Job:
         self._old_handlers: dict | None = None
         self.exit_times: dict[int, float] = {}  # rank -> when it exited (a waiter thread per rank)
         # where a rank that gives up waiting names the rank that stalled (csrc/transport/shm/segment.cc)
-        self.report_dir = tempfile.mkdtemp(prefix="fastxfer-report-")
+        self.report_dir = tempfile.mkdtemp(prefix=f"{REPORT_PREFIX}{os.getpid()}-")
 
     def _env(self, rank: int) -> dict[str, str]:
         env = dict(os.environ)
@@ -374,6 +394,7 @@ def main(args: argparse.Namespace) -> int:
     except FastxferError as e:
         raise SystemExit(f"fastxfer run: {e}") from None
     sweep_stale_segments()
+    sweep_stale_report_dirs()
     if args.hosts:
         cmd = mpirun_command(args.np, parse_hosts(args.hosts), command)
         env = dict(os.environ, PYTHONUNBUFFERED="1")

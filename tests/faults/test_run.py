@@ -47,3 +47,26 @@ def test_stale_segments_of_dead_launchers_are_swept(tmp_path):
         for p in (stale, live):
             if os.path.exists(p):
                 os.unlink(p)
+
+
+def test_stall_report_folders_of_dead_launchers_are_swept():
+    import tempfile
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=60)
+    stale = os.path.join(tempfile.gettempdir(), f"fastxfer-report-{dead.pid}-x1")
+    live = os.path.join(tempfile.gettempdir(), f"fastxfer-report-{os.getpid()}-x2")
+    for p in (stale, live):
+        os.makedirs(p, exist_ok=True)
+        with open(os.path.join(p, "stall.0"), "w") as f:
+            f.write("1\nold\n")
+    try:
+        r = launch(1, "-c", "print('hi')", timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert not os.path.exists(stale)
+        assert os.path.exists(live)
+    finally:
+        import shutil
+
+        for p in (stale, live):
+            shutil.rmtree(p, ignore_errors=True)
