@@ -110,7 +110,7 @@ void bind_engine(py::module_& m) {
                        double timeout_s, double attach_timeout_s, int threads, std::vector<int> cpus,
                        size_t bucket_cap_bytes, int max_records, size_t stream_min_bytes, py::object inter_host,
                        const std::string& timeline_path, int timeline_rank, double spin_us,
-                       double stall_warning_s, const std::string& report_dir, int linger_us) {
+                       double stall_warning_s, const std::string& report_dir) {
              JobConfig job;
              job.shm.name = name;
              job.shm.rank = rank;
@@ -123,7 +123,6 @@ void bind_engine(py::module_& m) {
              job.shm.spin_us = spin_us;
              job.shm.stall_warning_s = stall_warning_s;
              job.shm.report_dir = report_dir;
-             job.engine.linger_us = linger_us;
              job.threads = threads;
              job.stream_min_bytes = stream_min_bytes;
              job.engine.bucket_cap_bytes = bucket_cap_bytes;
@@ -140,7 +139,7 @@ void bind_engine(py::module_& m) {
            py::arg("timeout_s"), py::arg("attach_timeout_s"), py::arg("threads"), py::arg("cpus"),
            py::arg("bucket_cap_bytes"), py::arg("max_records"), py::arg("stream_min_bytes"),
            py::arg("inter_host") = py::none(), py::arg("timeline_path") = "", py::arg("timeline_rank") = 0,
-           py::arg("spin_us") = 50.0, py::arg("stall_warning_s") = 60.0, py::arg("report_dir") = "", py::arg("linger_us") = 0)
+           py::arg("spin_us") = 50.0, py::arg("stall_warning_s") = 60.0, py::arg("report_dir") = "")
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("size", &Engine::size)
       .def_property_readonly("oob_capacity", &Engine::oob_capacity)

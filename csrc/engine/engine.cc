@@ -103,7 +103,7 @@ uint64_t Engine::submit(Request req, bool defer) {
   uint64_t id = req.id;
   status_[id] = Status{};
   queue_.push_back(std::make_unique<Request>(std::move(req)));
-  if (!defer && !lingering_) work_cv_.notify_one();
+  if (!defer) work_cv_.notify_one();
   return id;
 }
 
@@ -348,25 +348,6 @@ void Engine::loop() {
         // A failure recorded by another thread (a waiter driving a round, the out-of-band lane)
         // has already been published to the peers, with its kind: nothing more to say here.
         if (stop_ || fatal_ != ErrorKind::kNone) break;
-        // Linger: requests that arrive back to back (a backward pass's last gradients, a small
-        // model's whole step) go into one round instead of one round each. Sleep, not spin: with
-        // one core per worker the thread producing them needs this core. Submissions do not
-        // wake a lingering engine; a waiter may take the round over meanwhile (driving_).
-        if (cfg_.linger_us > 0) {
-          const auto cap = std::chrono::steady_clock::now() + std::chrono::microseconds(cfg_.linger_us * 8);
-          size_t n = queue_.size();
-          while (n < static_cast<size_t>(cfg_.max_records)) {
-            lingering_ = true;
-            work_cv_.wait_for(lk, std::chrono::microseconds(cfg_.linger_us));
-            lingering_ = false;
-            if (stop_ || fatal_ != ErrorKind::kNone || driving_ || queue_.size() == n ||
-                std::chrono::steady_clock::now() > cap)
-              break;
-            n = queue_.size();
-          }
-          if (stop_ || fatal_ != ErrorKind::kNone) break;
-          if (driving_ || queue_.empty()) continue;
-        }
         driving_ = true;
       }
       if (tl) {

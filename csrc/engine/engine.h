@@ -28,7 +28,6 @@ struct EngineConfig {
   std::vector<int> cpus;        // pin the engine thread to these CPUs (empty: no pinning)
   std::string timeline_path;    // FASTXFER_TIMELINE (empty: no timeline)
   int timeline_rank = 0;        // the rank the timeline names (its Chrome-trace pid)
-  int linger_us = 0;            // wait this long for more requests before a round (FASTXFER_LINGER_US)
 };
 
 enum class ErrorKind : int { kNone = 0, kPeerFailure, kMismatch, kEngine, kInvalid };
@@ -141,8 +140,7 @@ class Engine {
   uint64_t executed_ = 0;
   uint64_t buckets_ = 0;   // buckets run so far (timeline labels)  // requests agreed and run (the same count on every rank)
   bool stop_ = false, stopped_ = false, shutdown_requested_ = false;
-  bool driving_ = false;    // a thread (engine or waiter) is running a round: only one at a time
-  bool lingering_ = false;  // the engine thread waits for more requests before a round
+  bool driving_ = false;  // a thread (engine or waiter) is running a round: only one at a time
   ErrorKind fatal_ = ErrorKind::kNone;
   std::string fatal_msg_;
   std::mutex oob_mu_;

@@ -200,21 +200,6 @@ def spin_us() -> float:
     return f
 
 
-def linger_us() -> int:
-    """FASTXFER_LINGER_US: how long the engine thread waits for more requests before it starts a
-    round, renewed while they keep coming (at most 8 times); default 0 (measured: docs/architecture.md)."""
-    v = os.environ.get("FASTXFER_LINGER_US", "").strip()
-    if not v:
-        return 0
-    try:
-        f = int(v)
-    except ValueError:
-        raise FastxferError(f"environment variable FASTXFER_LINGER_US={v!r} is not an integer") from None
-    if not 0 <= f <= 100000:
-        raise FastxferError(f"FASTXFER_LINGER_US={v!r} must be between 0 and 100000")
-    return f
-
-
 def mark(name: str) -> None:
     """A step mark on the timeline (FASTXFER_TIMELINE); does nothing without a timeline."""
     eng = _engine
@@ -262,7 +247,7 @@ def init(*, timeout: float | None = None, engine_cpus: list[int] | str | None = 
                                _float_env("FASTXFER_ATTACH_TIMEOUT", 120), threads, cpus, cap, 1024,
                                max(0, stream_min), layout.inter_host, timeline_path(layout.rank), layout.rank,
                                spin_us(), _float_env("FASTXFER_STALL_WARNING_S", min(60.0, timeout / 2)),
-                               os.environ.get("FASTXFER_REPORT_DIR", ""), linger_us())
+                               os.environ.get("FASTXFER_REPORT_DIR", ""))
         _engine.make_current()  # what the native TensorFlow ops submit to (engine/c_api.h)
         _layout = layout
 
