@@ -4,6 +4,7 @@
 #pragma once
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <deque>
 #include <functional>
 #include <memory>
@@ -141,6 +142,8 @@ class Engine {
   uint64_t buckets_ = 0;   // buckets run so far (timeline labels)  // requests agreed and run (the same count on every rank)
   bool stop_ = false, stopped_ = false, shutdown_requested_ = false;
   bool driving_ = false;  // a thread (engine or waiter) is running a round: only one at a time
+  bool engine_sleeping_ = false;  // the engine thread waits for work
+  bool yield_on_wake_ = getenv("FASTXFER_YIELD") == nullptr || getenv("FASTXFER_YIELD")[0] != '0';
   ErrorKind fatal_ = ErrorKind::kNone;
   std::string fatal_msg_;
   std::mutex oob_mu_;
