@@ -19,7 +19,7 @@ namespace {
 
 CollectiveKind kind_from_name(const std::string& k) {
   for (auto c : {CollectiveKind::kAllreduce, CollectiveKind::kBroadcast, CollectiveKind::kAllgather,
-                 CollectiveKind::kBarrier})
+                 CollectiveKind::kBarrier, CollectiveKind::kAlltoall, CollectiveKind::kReducescatter})
     if (k == kind_name(c)) return c;
   throw py::value_error("unknown collective '" + k + "'");
 }
@@ -70,6 +70,14 @@ class PyInterHost : public InterHost {
     size_t total = 0;
     for (size_t b : bytes) total += b;
     impl_.attr("allgatherv")(view(const_cast<void*>(in), bytes[rank_]), view(out, total), bytes);
+  }
+  void alltoallv(const void* in, void* out, const std::vector<size_t>& send_bytes,
+                 const std::vector<size_t>& recv_bytes) override {
+    py::gil_scoped_acquire gil;
+    size_t sent = 0, got = 0;
+    for (size_t b : send_bytes) sent += b;
+    for (size_t b : recv_bytes) got += b;
+    impl_.attr("alltoallv")(view(const_cast<void*>(in), sent), view(out, got), send_bytes, recv_bytes);
   }
   void oob_allreduce(const void* in, void* out, size_t n, DType dtype, ReduceOp op,
                      const std::string& what) override {
@@ -150,8 +158,9 @@ void bind_engine(py::module_& m) {
           "submit",
           [](Engine& eng, const std::string& kind, const std::string& name, py::object input, py::object output,
              const std::string& op, const std::string& compression, int root, double prescale, double postscale,
-             int64_t bucket_cap, bool defer) {
+             int64_t bucket_cap, bool defer, std::vector<int64_t> splits) {
             Request r;
+            r.splits = std::move(splits);
             r.kind = kind_from_name(kind);
             r.op = op_from_name(op);
             r.compression = compression_from_name(compression);
@@ -176,7 +185,8 @@ void bind_engine(py::module_& m) {
           },
           py::arg("kind"), py::arg("name"), py::arg("input"), py::arg("output"), py::arg("op") = "sum",
           py::arg("compression") = "none", py::arg("root") = 0, py::arg("prescale") = 1.0,
-          py::arg("postscale") = 1.0, py::arg("bucket_cap") = 0, py::arg("defer") = false)
+          py::arg("postscale") = 1.0, py::arg("bucket_cap") = 0, py::arg("defer") = false,
+          py::arg("splits") = std::vector<int64_t>())
       .def("wait", &Engine::wait, py::arg("id"), py::call_guard<py::gil_scoped_release>())
       .def("done", &Engine::done, py::arg("id"))
       .def("release", &Engine::release, py::arg("id"))
@@ -186,11 +196,12 @@ void bind_engine(py::module_& m) {
           "take_gathered",
           [](Engine& eng, uint64_t id) {
             int64_t rows = 0;
-            auto* vec = new std::vector<char>(eng.take_gathered(id, &rows));
+            std::vector<int64_t> splits;
+            auto* vec = new std::vector<char>(eng.take_gathered(id, &rows, &splits));
             py::capsule owner(vec, [](void* p) { delete static_cast<std::vector<char>*>(p); });
             py::array_t<uint8_t> bytes({static_cast<py::ssize_t>(vec->size())}, {1},
                                        reinterpret_cast<uint8_t*>(vec->data()), owner);
-            return py::make_tuple(bytes, rows);
+            return py::make_tuple(bytes, rows, splits);
           },
           py::arg("id"))
       .def(

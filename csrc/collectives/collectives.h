@@ -23,6 +23,19 @@ struct AllreduceJob {
   double postscale;
 };
 
+// One reducescatter: `in` holds the whole tensor (sum of counts elements of `dtype`); rank r's
+// result is elements [counts[0] + ... + counts[r-1], ... + counts[r]) of the reduction, written
+// to `out`. `scale` multiplies the reduced values (1/size for an average, times any pre- and
+// post-scale factors); integers truncate toward zero (kernels/reduce.h).
+struct ReducescatterJob {
+  const void* in;
+  void* out;
+  DType dtype;
+  ReduceOp op;
+  double scale;
+  std::vector<size_t> counts;  // elements per rank, in rank order
+};
+
 // Where the collectives' time went, cumulative since start (seconds), for profiling.
 struct CommStats {
   double pack = 0, wait = 0, reduce = 0, unpack = 0, negotiate = 0;
@@ -44,6 +57,12 @@ class Collectives {
   virtual void broadcast(const void* in, void* out, size_t nbytes, int root) = 0;
   // Concatenates every rank's bytes in rank order into `out` (bytes[j] from rank j).
   virtual void allgather(const void* in, void* out, const std::vector<size_t>& bytes) = 0;
+
+  // Every rank sends bytes[me * size + j] bytes to rank j, from `in` (blocks back to back in rank
+  // order), and receives bytes[j * size + me] bytes from rank j into `out` (likewise). `bytes` is
+  // the full size x size matrix, the same on every rank.
+  virtual void alltoall(const void* in, void* out, const std::vector<size_t>& bytes) = 0;
+  virtual void reducescatter(const ReducescatterJob& job) = 0;
 
   // Small, urgent reductions on a lane of their own (never behind a bucket): `in` -> `out`,
   // both `n` elements of `dtype`. Runs on the calling thread.

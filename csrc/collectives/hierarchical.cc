@@ -2,6 +2,7 @@
 // cross-host leg of every shard through InterHost.
 #include "collectives/hierarchical.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "kernels/reduce.h"
@@ -10,8 +11,8 @@ namespace fastxfer {
 
 namespace {
 
-// Hash of what ranks must agree on: compare_records' fields. allgather's first dimension and
-// element count may differ per rank, so they are left out.
+// Hash of what ranks must agree on: compare_records' fields. allgather's and alltoall's first
+// dimension and element count may differ per rank, so they are left out.
 uint64_t digest(const std::vector<Record>& recs, size_t m) {
   uint64_t h = 1469598103934665603ull;
   auto mix = [&](const void* p, size_t n) {
@@ -31,7 +32,7 @@ uint64_t digest(const std::vector<Record>& recs, size_t m) {
     mix(&r.prescale, sizeof r.prescale);
     mix(&r.postscale, sizeof r.postscale);
     mix(&r.bucket_cap, sizeof r.bucket_cap);
-    if (static_cast<CollectiveKind>(r.kind) != CollectiveKind::kAllgather) mix(&r.numel, sizeof r.numel);
+    if (!first_dim_may_differ(static_cast<CollectiveKind>(r.kind))) mix(&r.numel, sizeof r.numel);
   }
   return h;
 }
@@ -111,6 +112,38 @@ void HierarchicalCollectives::broadcast(const void* in, void* out, size_t nbytes
 
 void HierarchicalCollectives::allgather(const void* in, void* out, const std::vector<size_t>& bytes) {
   inter_->allgatherv(in, out, bytes);
+}
+
+void HierarchicalCollectives::alltoall(const void* in, void* out, const std::vector<size_t>& bytes) {
+  // Straight over MPI's Alltoallv among all ranks (MPI moves the pairs on one host through its own
+  // shared memory): the blocks differ per pair, so there is no shard to share within the host.
+  const size_t n = static_cast<size_t>(inter_->size()), me = static_cast<size_t>(inter_->rank());
+  std::vector<size_t> send(n), recv(n);
+  for (size_t j = 0; j < n; ++j) {
+    send[j] = bytes[me * n + j];
+    recv[j] = bytes[j * n + me];
+  }
+  inter_->alltoallv(in, out, send, recv);
+}
+
+void HierarchicalCollectives::reducescatter(const ReducescatterJob& job) {
+  // The whole tensor goes through the hierarchical allreduce (every rank gets every row), then each
+  // rank keeps its rows: correct, but it moves the allgather half that a native reduce-scatter
+  // across hosts would not (docs/algorithms.md).
+  size_t total = 0;
+  for (size_t c : job.counts) total += c;
+  const size_t es = dtype_size(job.dtype);
+  std::vector<char> tmp(std::max<size_t>(total * es, 1));
+  if (total > 0) {
+    BucketPlanner planner(std::max<size_t>(total * es, 64), std::max<size_t>(total * es, 64), Compression::kNone);
+    const std::vector<Bucket> buckets = planner.plan({{total, job.dtype}});
+    AllreduceJob aj{&buckets.at(0), {job.in}, {tmp.data()}, job.op, 1.0, job.scale};
+    allreduce(aj);
+  }
+  size_t start = 0;
+  for (int j = 0; j < inter_->rank(); ++j) start += job.counts[j];
+  const size_t mine = job.counts[inter_->rank()];
+  if (mine > 0) std::memcpy(job.out, tmp.data() + start * es, mine * es);
 }
 
 void HierarchicalCollectives::oob_allreduce(const Record& rec, const void* in, void* out, size_t n, DType dtype,

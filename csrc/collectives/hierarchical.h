@@ -19,6 +19,8 @@ class HierarchicalCollectives : public Collectives {
   void allreduce(const AllreduceJob& job) override;
   void broadcast(const void* in, void* out, size_t nbytes, int root) override;
   void allgather(const void* in, void* out, const std::vector<size_t>& bytes) override;
+  void alltoall(const void* in, void* out, const std::vector<size_t>& bytes) override;
+  void reducescatter(const ReducescatterJob& job) override;
   void oob_allreduce(const Record& rec, const void* in, void* out, size_t n, DType dtype, ReduceOp op,
                      double postscale) override;
   void mark_exited(bool clean, const char* why, bool mismatch = false) override {

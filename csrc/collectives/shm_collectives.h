@@ -27,6 +27,10 @@ class ShmCollectives : public Collectives {
   void allgather(const void* in, void* out, const std::vector<size_t>& bytes) override {
     shm_allgather(ctx_, in, out, bytes);
   }
+  void alltoall(const void* in, void* out, const std::vector<size_t>& bytes) override {
+    shm_alltoall(ctx_, in, out, bytes);
+  }
+  void reducescatter(const ReducescatterJob& job) override { shm_reducescatter(ctx_, job); }
   void oob_allreduce(const Record& rec, const void* in, void* out, size_t n, DType dtype, ReduceOp op,
                      double postscale) override {
     shm_oob_allreduce(ctx_, rec, in, out, n, dtype, op, postscale);

@@ -58,6 +58,10 @@ using ShardHook = std::function<void(char* shard, size_t n, DType wire)>;
 void shm_allreduce(ShmContext& c, const AllreduceJob& job, const ShardHook& between);
 void shm_broadcast(ShmContext& c, const void* in, void* out, size_t nbytes, int root);     // shm_broadcast.cc
 void shm_allgather(ShmContext& c, const void* in, void* out, const std::vector<size_t>& bytes);  // shm_allgather.cc
+// Each chunk, every rank stages one slot per destination in its half; the others copy theirs out (shm_alltoall.cc).
+void shm_alltoall(ShmContext& c, const void* in, void* out, const std::vector<size_t>& bytes);
+// Each chunk, every rank stages the piece of each peer's region; each owner reduces its own (shm_reducescatter.cc).
+void shm_reducescatter(ShmContext& c, const ReducescatterJob& job);
 // Through each rank's out-of-band slot, never the window (shm_oob_allreduce.cc).
 void shm_oob_allreduce(ShmContext& c, const Record& rec, const void* in, void* out, size_t n, DType dtype,
                        ReduceOp op, double postscale);

@@ -50,6 +50,8 @@ const char* kind_name(CollectiveKind k) {
     case CollectiveKind::kAllgather: return "allgather";
     case CollectiveKind::kBarrier: return "barrier";
     case CollectiveKind::kShutdown: return "shutdown";
+    case CollectiveKind::kAlltoall: return "alltoall";
+    case CollectiveKind::kReducescatter: return "reducescatter";
   }
   return "?";
 }
@@ -60,6 +62,7 @@ const char* op_name(ReduceOp op) {
     case ReduceOp::kAverage: return "average";
     case ReduceOp::kMin: return "min";
     case ReduceOp::kMax: return "max";
+    case ReduceOp::kProduct: return "product";
   }
   return "?";
 }
@@ -69,7 +72,8 @@ ReduceOp op_from_name(const std::string& name) {
   if (name == "average" || name == "avg" || name == "mean") return ReduceOp::kAverage;
   if (name == "min") return ReduceOp::kMin;
   if (name == "max") return ReduceOp::kMax;
-  throw std::invalid_argument("unknown op '" + name + "': expected 'sum', 'average', 'min' or 'max'");
+  if (name == "product" || name == "prod") return ReduceOp::kProduct;
+  throw std::invalid_argument("unknown op '" + name + "': expected 'sum', 'average', 'min', 'max' or 'product'");
 }
 
 Record make_record(CollectiveKind kind, const std::string& name, DType dtype, const std::vector<int64_t>& shape,
@@ -85,8 +89,8 @@ Record make_record(CollectiveKind kind, const std::string& name, DType dtype, co
   r.root = root;
   r.ndim = shape.size() <= static_cast<size_t>(kMaxDims) ? static_cast<int32_t>(shape.size()) : -1;
   for (size_t i = 0; i < shape.size() && i < static_cast<size_t>(kMaxDims); ++i) r.shape[i] = shape[i];
-  // allgather may differ in the first dimension, so the hash covers the rest only
-  size_t from = kind == CollectiveKind::kAllgather && !shape.empty() ? 1 : 0;
+  // allgather and alltoall may differ in the first dimension, so the hash covers the rest only
+  size_t from = first_dim_may_differ(kind) && !shape.empty() ? 1 : 0;
   r.shape_hash = fnv1a(shape.data() + from, (shape.size() - from) * sizeof(int64_t), shape.size());
   r.numel = 1;
   for (int64_t d : shape) r.numel *= d;
@@ -102,7 +106,7 @@ std::string describe(const Record& r) {
   s << kind_name(kind);
   if (kind == CollectiveKind::kBarrier || kind == CollectiveKind::kShutdown) return s.str();
   s << " '" << r.name << "' " << dtype_name(static_cast<DType>(r.dtype)) << shape_str(r);
-  if (kind == CollectiveKind::kAllreduce) {
+  if (kind == CollectiveKind::kAllreduce || kind == CollectiveKind::kReducescatter) {
     s << " op=" << op_name(static_cast<ReduceOp>(r.op));
     if (r.compression) s << " compression=" << compression_name(static_cast<Compression>(r.compression));
     if (r.prescale != 1.0 || r.postscale != 1.0) s << " prescale=" << num(r.prescale) << " postscale=" << num(r.postscale);
@@ -119,7 +123,7 @@ bool same_collective(const Record& a, const Record& b) {
   bool same = a.kind == b.kind && a.name_hash == b.name_hash && a.dtype == b.dtype && a.op == b.op &&
               a.compression == b.compression && a.root == b.root && a.ndim == b.ndim && a.shape_hash == b.shape_hash;
   if (same && a.ndim > 0) {
-    int from = static_cast<CollectiveKind>(a.kind) == CollectiveKind::kAllgather ? 1 : 0;
+    int from = first_dim_may_differ(static_cast<CollectiveKind>(a.kind)) ? 1 : 0;
     for (int i = from; i < a.ndim; ++i) same = same && a.shape[i] == b.shape[i];
   }
   return same;

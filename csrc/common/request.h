@@ -11,8 +11,16 @@
 
 namespace fastxfer {
 
-enum class CollectiveKind : int32_t { kAllreduce = 0, kBroadcast, kAllgather, kBarrier, kShutdown };
-enum class ReduceOp : int32_t { kSum = 0, kAverage, kMin, kMax };
+// The values are part of the C interface (engine/c_api.h FX_*) and of the records ranks exchange.
+enum class CollectiveKind : int32_t {
+  kAllreduce = 0, kBroadcast, kAllgather, kBarrier, kShutdown, kAlltoall, kReducescatter
+};
+enum class ReduceOp : int32_t { kSum = 0, kAverage, kMin, kMax, kProduct };
+
+// Collectives whose first dimension may differ between ranks (the rest of the shape must match).
+inline bool first_dim_may_differ(CollectiveKind k) {
+  return k == CollectiveKind::kAllgather || k == CollectiveKind::kAlltoall;
+}
 
 const char* kind_name(CollectiveKind k);
 const char* op_name(ReduceOp op);

@@ -14,6 +14,11 @@ namespace fastxfer {
 
 namespace {
 
+static_assert(FX_ALLTOALL == static_cast<int>(CollectiveKind::kAlltoall) &&
+                  FX_REDUCESCATTER == static_cast<int>(CollectiveKind::kReducescatter) &&
+                  FX_BOOL == static_cast<int>(DType::kBool) && FX_BOOL + 1 == kNumDTypes,
+              "engine/c_api.h mirrors common/request.h and common/dtype.h");
+
 std::shared_mutex g_mu;
 std::shared_ptr<Engine> g_engine;
 
@@ -25,10 +30,12 @@ void copy_message(char* err, size_t errlen, const std::string& msg) {
 int32_t c_submit(const fx_request* q, fx_done_fn done, void* ctx, char* err, size_t errlen) {
   try {
     if (q == nullptr || done == nullptr) throw std::invalid_argument("fx_request and done must not be null");
-    if (q->kind != FX_ALLREDUCE && q->kind != FX_BROADCAST && q->kind != FX_ALLGATHER)
+    if (q->kind != FX_ALLREDUCE && q->kind != FX_BROADCAST && q->kind != FX_ALLGATHER && q->kind != FX_ALLTOALL &&
+        q->kind != FX_REDUCESCATTER)
       throw std::invalid_argument("unknown collective kind " + std::to_string(q->kind));
-    if (q->dtype < FX_FLOAT32 || q->dtype > FX_INT64) throw std::invalid_argument("unknown dtype " + std::to_string(q->dtype));
-    if (q->op < 0 || q->op > static_cast<int32_t>(ReduceOp::kMax)) throw std::invalid_argument("unknown reduction op");
+    if (q->dtype < FX_FLOAT32 || q->dtype > FX_BOOL) throw std::invalid_argument("unknown dtype " + std::to_string(q->dtype));
+    if (q->op < 0 || q->op > static_cast<int32_t>(ReduceOp::kProduct)) throw std::invalid_argument("unknown reduction op");
+    if (q->nsplits < 0 || (q->nsplits > 0 && q->splits == nullptr)) throw std::invalid_argument("bad splits");
     if (q->compression < 0 || q->compression > static_cast<int32_t>(Compression::kFP16))
       throw std::invalid_argument("unknown compression");
     if (q->ndim < 0 || (q->ndim > 0 && q->shape == nullptr)) throw std::invalid_argument("bad shape");
@@ -50,13 +57,16 @@ int32_t c_submit(const fx_request* q, fx_done_fn done, void* ctx, char* err, siz
     r.in = q->in;
     r.out = q->out;
     if (numel > 0 && r.in == nullptr) throw std::invalid_argument("null input buffer");
-    if (numel > 0 && r.kind != CollectiveKind::kAllgather && r.out == nullptr)
+    if (numel > 0 && (r.kind == CollectiveKind::kAllreduce || r.kind == CollectiveKind::kBroadcast) &&
+        r.out == nullptr)
       throw std::invalid_argument("null output buffer");
+    if (q->nsplits > 0) r.splits.assign(q->splits, q->splits + q->nsplits);
     r.rec = make_record(r.kind, q->name ? q->name : "", r.dtype, shape, r.op, r.compression, r.root, r.prescale,
                         r.postscale);
     r.rec.bucket_cap = q->bucket_cap;
     r.on_done = [done, ctx](Request& req, ErrorKind kind, const std::string& msg) {
-      done(ctx, static_cast<int32_t>(kind), msg.c_str(), req.gathered.data(), req.gathered.size(), req.gathered_rows);
+      done(ctx, static_cast<int32_t>(kind), msg.c_str(), req.gathered.data(), req.gathered.size(), req.gathered_rows,
+           req.recv_splits.data(), static_cast<int32_t>(req.recv_splits.size()));
     };
     std::shared_lock<std::shared_mutex> lk(g_mu);
     if (!g_engine) {

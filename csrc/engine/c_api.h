@@ -18,16 +18,17 @@
 extern "C" {
 #endif
 
-#define FX_C_API_VERSION 1
+#define FX_C_API_VERSION 2
 
 /* Values of fastxfer::CollectiveKind, DType, ReduceOp and Compression (common/). */
-enum { FX_ALLREDUCE = 0, FX_BROADCAST = 1, FX_ALLGATHER = 2 };
-enum { FX_FLOAT32 = 0, FX_FLOAT64, FX_FLOAT16, FX_BFLOAT16, FX_INT32, FX_INT64 };
+enum { FX_ALLREDUCE = 0, FX_BROADCAST = 1, FX_ALLGATHER = 2, FX_ALLTOALL = 5, FX_REDUCESCATTER = 6 };
+enum { FX_FLOAT32 = 0, FX_FLOAT64, FX_FLOAT16, FX_BFLOAT16, FX_INT32, FX_INT64, FX_UINT8, FX_INT8, FX_UINT16, FX_INT16,
+       FX_BOOL };
 /* Error kinds (fastxfer::ErrorKind): the Python class a message belongs to. */
 enum { FX_OK = 0, FX_PEER_FAILURE = 1, FX_MISMATCH = 2, FX_ENGINE_ERROR = 3, FX_INVALID = 4, FX_NOT_INITIALIZED = 5 };
 
 typedef struct fx_request {
-  int32_t kind;          /* FX_ALLREDUCE, FX_BROADCAST or FX_ALLGATHER */
+  int32_t kind;          /* FX_ALLREDUCE, FX_BROADCAST, FX_ALLGATHER, FX_ALLTOALL or FX_REDUCESCATTER */
   int32_t dtype;         /* FX_FLOAT32 ... */
   const char* name;      /* identical on every rank; compared, like the rest of the descriptor */
   const int64_t* shape;
@@ -38,12 +39,18 @@ typedef struct fx_request {
   double prescale, postscale;
   int64_t bucket_cap;    /* bytes; 0: the engine's default */
   const void* in;
-  void* out;             /* allreduce/broadcast: numel elements; may equal `in` (in place). Allgather: unused */
+  void* out;             /* allreduce/broadcast: numel elements; may equal `in` (in place). Allgather,
+                            alltoall: unused. Reducescatter: this rank's rows, or NULL (then the result
+                            arrives in `done`'s `gathered`) */
+  const int64_t* splits; /* alltoall: rows sent to each rank (nsplits = size), or NULL: an equal split */
+  int32_t nsplits;
 } fx_request;
 
-/* `gathered`/`gathered_bytes`/`rows`: an allgather's result, readable only during the call. */
+/* `gathered`/`gathered_bytes`/`rows`: an allgather's, alltoall's or (out == NULL) reducescatter's
+ * result; `recv_splits`/`nsplits`: an alltoall's rows received from each rank. Readable only during
+ * the call. */
 typedef void (*fx_done_fn)(void* ctx, int32_t error, const char* message, const void* gathered,
-                           size_t gathered_bytes, int64_t rows);
+                           size_t gathered_bytes, int64_t rows, const int64_t* recv_splits, int32_t nsplits);
 
 typedef struct fx_engine_api {
   uint32_t version;     /* FX_C_API_VERSION */

@@ -84,12 +84,51 @@ void Engine::throw_error(ErrorKind kind, const std::string& msg) const {
   }
 }
 
+// What alltoall and reducescatter rely on, for every entry point (numpy, the TensorFlow ops):
+// a first dimension, and for alltoall splits that add up to it (default: an equal split).
+void Engine::check_shape(Request& req) const {
+  const auto kind = req.kind;
+  if (kind != CollectiveKind::kAlltoall && kind != CollectiveKind::kReducescatter) return;
+  const char* what = kind_name(kind);
+  if (req.rec.ndim < 1)
+    throw std::invalid_argument(std::string(what) + " needs a tensor of 1 to " + std::to_string(kMaxDims) +
+                                " dimensions (it splits the first one)");
+  if (kind == CollectiveKind::kReducescatter) {
+    if (req.op != ReduceOp::kSum && req.op != ReduceOp::kAverage)
+      throw std::invalid_argument(std::string("reducescatter takes op sum or average, not ") + op_name(req.op));
+    if (req.compression != Compression::kNone) throw std::invalid_argument("reducescatter takes no compression");
+    return;
+  }
+  const int64_t rows = req.rec.shape[0];
+  const int n = size();
+  if (req.splits.empty()) {
+    if (rows % n != 0)
+      throw std::invalid_argument("alltoall without splits sends the same number of rows to every rank: the first "
+                                  "dimension (" + std::to_string(rows) + ") must be divisible by the number of ranks (" +
+                                  std::to_string(n) + "); pass splits");
+    req.splits.assign(n, rows / n);
+    return;
+  }
+  if (req.splits.size() != static_cast<size_t>(n))
+    throw std::invalid_argument("alltoall splits must have one entry per rank (" + std::to_string(n) + "), not " +
+                                std::to_string(req.splits.size()));
+  int64_t total = 0;
+  for (int64_t v : req.splits) {
+    if (v < 0) throw std::invalid_argument("alltoall splits must be >= 0, not " + std::to_string(v));
+    total += v;
+  }
+  if (total != rows)
+    throw std::invalid_argument("alltoall splits add up to " + std::to_string(total) +
+                                " rows, but the tensor's first dimension is " + std::to_string(rows));
+}
+
 uint64_t Engine::submit(Request req, bool defer) {
   // Invariants the bucket planner relies on (fastxfer/_validate.py gives users the friendly message).
   if (req.compression != Compression::kNone && req.dtype != DType::kFloat32)
     throw std::invalid_argument(std::string("compression applies to float32 tensors, not ") + dtype_name(req.dtype));
   if (req.rec.bucket_cap < 0) throw std::invalid_argument("bucket_cap must be >= 0 bytes");
   check_process();
+  check_shape(req);
   bool woke = false;
   // The cap decides which tensors share a bucket, so it is part of what ranks agree on: a rank
   // whose default differs fails with a Mismatch naming both caps instead of fusing differently.
@@ -168,11 +207,12 @@ std::vector<uint64_t> Engine::take_finished() {
   return out;
 }
 
-std::vector<char> Engine::take_gathered(uint64_t id, int64_t* rows) {
+std::vector<char> Engine::take_gathered(uint64_t id, int64_t* rows, std::vector<int64_t>* splits) {
   std::lock_guard<std::mutex> lk(mu_);
   auto it = active_.find(id);
   if (it == active_.end()) throw std::invalid_argument("no allgather result for handle " + std::to_string(id));
   *rows = it->second->gathered_rows;
+  if (splits) *splits = std::move(it->second->recv_splits);
   return std::move(it->second->gathered);
 }
 
@@ -448,6 +488,44 @@ void Engine::run_batch(const std::vector<Request*>& batch, const std::vector<std
         const double t0 = timeline_.enabled() ? timeline_.now() : 0;
         comm_->allgather(r->in, r->gathered.data(), bytes);
         if (timeline_.enabled()) trace(*r, t0, timeline_.now(), "allgather");
+        break;
+      }
+      case CollectiveKind::kAlltoall: {
+        // Every rank's splits first (size x size rows), then the blocks themselves.
+        const size_t n = all.size();
+        const int me = comm_->rank();
+        int64_t row = 1;  // elements per row: the rest of the shape, the same on every rank
+        for (int d = 1; d < r->rec.ndim; ++d) row *= r->rec.shape[d];
+        const size_t row_bytes = static_cast<size_t>(row) * dtype_size(r->dtype);
+        std::vector<int64_t> matrix(n * n);
+        const double t0 = timeline_.enabled() ? timeline_.now() : 0;
+        comm_->allgather(r->splits.data(), matrix.data(), std::vector<size_t>(n, n * sizeof(int64_t)));
+        std::vector<size_t> bytes(n * n);
+        for (size_t k = 0; k < n * n; ++k) bytes[k] = static_cast<size_t>(matrix[k]) * row_bytes;
+        r->recv_splits.resize(n);
+        int64_t rows = 0;
+        for (size_t j = 0; j < n; ++j) rows += (r->recv_splits[j] = matrix[j * n + me]);
+        r->gathered.resize(static_cast<size_t>(rows) * row_bytes);
+        r->gathered_rows = rows;
+        comm_->alltoall(r->in, r->gathered.data(), bytes);
+        if (timeline_.enabled()) trace(*r, t0, timeline_.now(), "alltoall");
+        break;
+      }
+      case CollectiveKind::kReducescatter: {
+        // Rows split as evenly as possible, the first (rows mod size) ranks one more (Horovod's rule).
+        const int64_t n = static_cast<int64_t>(all.size()), rows = r->rec.shape[0];
+        const int me = comm_->rank();
+        const size_t row = rows > 0 ? r->numel / static_cast<size_t>(rows) : 0;
+        ReducescatterJob job{r->in, r->out, r->dtype, r->op, r->prescale * r->postscale, {}};
+        for (int64_t j = 0; j < n; ++j) job.counts.push_back(static_cast<size_t>(rows / n + (j < rows % n)) * row);
+        r->gathered_rows = rows / n + (me < rows % n);
+        if (job.out == nullptr) {
+          r->gathered.resize(job.counts[me] * dtype_size(r->dtype));
+          job.out = r->gathered.data();
+        }
+        const double t0 = timeline_.enabled() ? timeline_.now() : 0;
+        comm_->reducescatter(job);
+        if (timeline_.enabled()) trace(*r, t0, timeline_.now(), "reducescatter");
         break;
       }
       case CollectiveKind::kBarrier:   // agreeing on it was the barrier: every rank had reached it

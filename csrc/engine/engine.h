@@ -52,8 +52,11 @@ struct Request {
   const void* in = nullptr;
   void* out = nullptr;
   Record rec{};
-  std::vector<char> gathered;  // allgather result (its size is only known once ranks agree)
+  std::vector<char> gathered;  // allgather/alltoall result (its size is only known once ranks agree);
+                               // reducescatter's when `out` is null
   int64_t gathered_rows = 0;
+  std::vector<int64_t> splits;       // alltoall: rows sent to each rank (empty: an equal split)
+  std::vector<int64_t> recv_splits;  // alltoall: rows received from each rank (after it ran)
   DoneCallback on_done;  // set: nobody calls wait()/release() for this request
   double t_submit = 0, t_agreed = 0;  // timeline clock (only when the timeline is on)
 };
@@ -84,8 +87,9 @@ class Engine {
   }
   // Ids finished (or failed) since the last call: their buffers may be released.
   std::vector<uint64_t> take_finished();
-  // Moves out an allgather result (after wait).
-  std::vector<char> take_gathered(uint64_t id, int64_t* rows);
+  // Moves out an allgather/alltoall/reducescatter result (after wait); `splits`, when given,
+  // receives an alltoall's received splits.
+  std::vector<char> take_gathered(uint64_t id, int64_t* rows, std::vector<int64_t>* splits = nullptr);
   // Forgets a waited-for request.
   void release(uint64_t id);
   // Nobody will wait for request `id` (its handle was dropped): forget it as soon as it finishes,
@@ -116,6 +120,7 @@ class Engine {
 
   void loop();
   bool run_round();
+  void check_shape(Request& req) const;
   void fail_from(ErrorKind kind, const std::string& msg);  // fail everything and tell the peers
   void run_batch(const std::vector<Request*>& batch, const std::vector<std::vector<Record>>& all);
   void finish(Request* r);

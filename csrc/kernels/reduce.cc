@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
+#include <limits>
 #include <type_traits>
 
 #include "kernels/compress.h"
@@ -16,15 +17,27 @@ namespace {
 
 constexpr size_t kBlock = 2048;
 
-// Integer sums wrap modulo 2^bits, through unsigned arithmetic (signed overflow would be
-// undefined behaviour); that is what MPI implementations do too (docs/algorithms.md).
+// Integer sums and products wrap modulo 2^bits, through unsigned arithmetic (signed overflow
+// would be undefined behaviour, and so would a uint16 * uint16 promoted to int); that is what MPI
+// implementations do too (docs/algorithms.md).
+template <class T>
+using Wide = std::conditional_t<(sizeof(T) < sizeof(unsigned)), unsigned, std::make_unsigned_t<T>>;
+
 template <class T>
 inline T add(T a, T b) {
   if constexpr (std::is_integral_v<T>) {
-    using U = std::make_unsigned_t<T>;
-    return static_cast<T>(static_cast<U>(a) + static_cast<U>(b));
+    return static_cast<T>(static_cast<std::make_unsigned_t<T>>(static_cast<Wide<T>>(a) + static_cast<Wide<T>>(b)));
   } else {
     return a + b;
+  }
+}
+
+template <class T>
+inline T mul(T a, T b) {
+  if constexpr (std::is_integral_v<T>) {
+    return static_cast<T>(static_cast<std::make_unsigned_t<T>>(static_cast<Wide<T>>(a) * static_cast<Wide<T>>(b)));
+  } else {
+    return a * b;
   }
 }
 
@@ -33,6 +46,7 @@ inline T combine(ReduceOp op, T a, T b) {
   switch (op) {
     case ReduceOp::kSum:
     case ReduceOp::kAverage: return add(a, b);
+    case ReduceOp::kProduct: return mul(a, b);
     case ReduceOp::kMin:
       if constexpr (std::is_floating_point_v<T>) return (a < b || std::isnan(a)) ? a : b;
       else return a < b ? a : b;
@@ -43,6 +57,18 @@ inline T combine(ReduceOp op, T a, T b) {
   return a;
 }
 
+// An integer scaled as Horovod scales one (ScaleBuffer: `output = scale_factor * input` with a
+// double factor): the product in double, truncated toward zero. Saturates instead of the
+// undefined behaviour of an out-of-range conversion (an average never gets there).
+template <class T>
+inline T scale_int(T v, double scale) {
+  const double x = static_cast<double>(v) * scale;
+  if (!(x == x)) return 0;
+  if (x >= static_cast<double>(std::numeric_limits<T>::max())) return std::numeric_limits<T>::max();
+  if (x <= static_cast<double>(std::numeric_limits<T>::lowest())) return std::numeric_limits<T>::lowest();
+  return static_cast<T>(x);
+}
+
 // acc[0, m) = scale * op over srcs[j][b, b + m), in rank order.
 template <class T, class S>
 inline void combine_block(ReduceOp op, const void* const* srcs, int nsrc, size_t b, size_t m, S scale, T* acc) {
@@ -51,12 +77,18 @@ inline void combine_block(ReduceOp op, const void* const* srcs, int nsrc, size_t
     const T* s = static_cast<const T*>(srcs[j]) + b;
     if (op == ReduceOp::kSum || op == ReduceOp::kAverage) {
       for (size_t i = 0; i < m; ++i) acc[i] = add(acc[i], s[i]);
+    } else if (op == ReduceOp::kProduct) {
+      for (size_t i = 0; i < m; ++i) acc[i] = mul(acc[i], s[i]);
     } else {
       for (size_t i = 0; i < m; ++i) acc[i] = combine(op, acc[i], s[i]);
     }
   }
   if (scale != S(1)) {
-    for (size_t i = 0; i < m; ++i) acc[i] = static_cast<T>(acc[i] * scale);
+    if constexpr (std::is_integral_v<T>) {
+      for (size_t i = 0; i < m; ++i) acc[i] = scale_int(acc[i], static_cast<double>(scale));
+    } else {
+      for (size_t i = 0; i < m; ++i) acc[i] = static_cast<T>(acc[i] * scale);
+    }
   }
 }
 
@@ -71,12 +103,42 @@ void reduce_native(ReduceOp op, const void* const* srcs, int nsrc, void* dst, si
 }
 
 // The element-wise combine of one 16-bit source into the float32 accumulator (rank j > 0).
+// A product is accumulated in float32 too (decoded exactly, multiplied, rounded once at the end).
 inline void combine_16bit(ReduceOp op, const WireKernels& k, float* acc, const uint16_t* s, size_t m) {
   switch (op) {
     case ReduceOp::kSum:
     case ReduceOp::kAverage: return k.accumulate(acc, s, m);
     case ReduceOp::kMin: return k.min_accumulate(acc, s, m);
     case ReduceOp::kMax: return k.max_accumulate(acc, s, m);
+    case ReduceOp::kProduct: {
+      ScopedStreamStores cached(false);  // the decoded block stays in L1
+      float tmp[kBlock];
+      k.decompress(s, tmp, m, 1.0f);
+      for (size_t i = 0; i < m; ++i) acc[i] = acc[i] * tmp[i];
+      return;
+    }
+  }
+}
+
+// bool: one byte per value, 0 or 1. sum and max are a logical or, min and product a logical and
+// (so any non-zero byte counts as true and the result is always 0 or 1); there is no average.
+void reduce_bool(ReduceOp op, const void* const* srcs, int nsrc, void* dst, size_t n) {
+  if (op == ReduceOp::kAverage) throw std::invalid_argument("bool tensors have no average (use sum: a logical or)");
+  const bool any = op == ReduceOp::kSum || op == ReduceOp::kMax;
+  uint8_t acc[kBlock];
+  for (size_t b = 0; b < n; b += kBlock) {
+    const size_t m = std::min(kBlock, n - b);
+    const uint8_t* s0 = static_cast<const uint8_t*>(srcs[0]) + b;
+    for (size_t i = 0; i < m; ++i) acc[i] = s0[i] != 0;
+    for (int j = 1; j < nsrc; ++j) {
+      const uint8_t* s = static_cast<const uint8_t*>(srcs[j]) + b;
+      if (any) {
+        for (size_t i = 0; i < m; ++i) acc[i] = acc[i] | (s[i] != 0);
+      } else {
+        for (size_t i = 0; i < m; ++i) acc[i] = acc[i] & (s[i] != 0);
+      }
+    }
+    std::memcpy(static_cast<uint8_t*>(dst) + b, acc, m);
   }
 }
 
@@ -184,11 +246,17 @@ void reduce_block(ReduceOp op, DType wire, const void* const* srcs, int nsrc, vo
   switch (wire) {
     case DType::kFloat32: reduce_native<float, float>(op, srcs, nsrc, dst, n, static_cast<float>(scale)); break;
     case DType::kFloat64: reduce_native<double, double>(op, srcs, nsrc, dst, n, scale); break;
-    case DType::kInt32:
-    case DType::kInt64:
-      if (scale != 1.0) throw std::invalid_argument("integer reductions cannot be scaled (no integer average)");
-      if (wire == DType::kInt32) reduce_native<int32_t, int32_t>(op, srcs, nsrc, dst, n, 1);
-      else reduce_native<int64_t, int64_t>(op, srcs, nsrc, dst, n, 1);
+    // Integers: `scale` (1/size for an average) multiplies in double and truncates toward zero,
+    // as Horovod's ScaleBuffer does.
+    case DType::kInt32: reduce_native<int32_t, double>(op, srcs, nsrc, dst, n, scale); break;
+    case DType::kInt64: reduce_native<int64_t, double>(op, srcs, nsrc, dst, n, scale); break;
+    case DType::kUInt8: reduce_native<uint8_t, double>(op, srcs, nsrc, dst, n, scale); break;
+    case DType::kInt8: reduce_native<int8_t, double>(op, srcs, nsrc, dst, n, scale); break;
+    case DType::kUInt16: reduce_native<uint16_t, double>(op, srcs, nsrc, dst, n, scale); break;
+    case DType::kInt16: reduce_native<int16_t, double>(op, srcs, nsrc, dst, n, scale); break;
+    case DType::kBool:
+      if (scale != 1.0) throw std::invalid_argument("bool reductions cannot be scaled");
+      reduce_bool(op, srcs, nsrc, dst, n);
       break;
     case DType::kBFloat16: reduce_16bit(op, k.bf16, srcs, nsrc, dst, nullptr, n, static_cast<float>(scale)); break;
     case DType::kFloat16: reduce_16bit(op, k.fp16, srcs, nsrc, dst, nullptr, n, static_cast<float>(scale)); break;

@@ -10,8 +10,11 @@ namespace fastxfer {
 // dst[i] = scale * op(srcs[0][i], ..., srcs[nsrc-1][i]), all arrays of `wire` elements.
 // bf16/fp16 are decoded and combined in float32 and rounded once at the end (after scaling), so
 // an average never overflows fp16 on the way. Floats: sum/average add in rank order 0..N-1, so
-// the result does not depend on which rank computes it; min/max propagate NaN. Integers: scale
-// must be 1 (no integer average). dst may alias srcs[k] (each block is read before it is written).
+// the result does not depend on which rank computes it; min/max propagate NaN. Integers:
+// sums and products wrap (two's complement); a scale (1/size for an average) multiplies in double
+// and truncates toward zero, as Horovod does. bool: sum/max = or, min/product = and, no average.
+// product: floats multiply in rank order (16-bit ones in float32, rounded once). dst may alias
+// srcs[k] (each block is read before it is written).
 void reduce_block(ReduceOp op, DType wire, const void* const* srcs, int nsrc, void* dst, size_t n, double scale);
 
 // The same, with rank `self`'s contribution read straight from its tensor (dtype `own`: the

@@ -10,9 +10,12 @@
 //       reduces in place; otherwise a new buffer, which the engine writes the result to. For
 //       allgather, `output` is the input (kept alive for the engine).
 //   FastxferWait(output, handle) -> result        asynchronous
-//   FastxferWaitGather(output, handle) -> result  asynchronous (allgather: result allocated here)
+//   FastxferWaitGather(output, handle) -> result  asynchronous (allgather, reducescatter: result
+//                                                 allocated here, its first dimension known now)
 //       Completes when the engine has finished that collective; `result` shares `output`'s
 //       buffer. TensorFlow's executor goes on with other work meanwhile.
+//   FastxferSubmitSplits(tensor, splits) -> (output, handle)          alltoall (splits: a tensor,
+//   FastxferWaitAlltoall(output, handle) -> (result, received_splits)  known only when it runs)
 //
 // Between the two, `output` must be read by nobody but the wait op (ops.py guarantees it: the
 // tensor is only ever wired into its wait). The op library holds a reference to every buffer the
@@ -57,6 +60,7 @@ struct Pending {
   std::string message;
   std::vector<char> gathered;
   int64_t rows = 0;
+  std::vector<int32_t> recv_splits;  // alltoall
   TF_Tensor* keep_in = nullptr;   // buffers the engine may still read or write
   TF_Tensor* keep_out = nullptr;
   TF_OpKernelContext* wait_ctx = nullptr;  // the wait op, once it has run
@@ -108,6 +112,11 @@ int32_t fx_dtype(int tf_type) {
     case kTfBFloat16: return FX_BFLOAT16;
     case kTfInt32: return FX_INT32;
     case kTfInt64: return FX_INT64;
+    case kTfUInt8: return FX_UINT8;
+    case kTfInt8: return FX_INT8;
+    case kTfUInt16: return FX_UINT16;
+    case kTfInt16: return FX_INT16;
+    case kTfBool: return FX_BOOL;
     default: return -1;
   }
 }
@@ -128,12 +137,27 @@ TF_AsyncOpKernelDoneCallback* keep_done(TF_AsyncOpKernelDoneCallback* done) {
   return reinterpret_cast<TF_AsyncOpKernelDoneCallback*>(new DoneFunction(*reinterpret_cast<DoneFunction*>(done)));
 }
 
+// Collectives whose result the wait op allocates (its first dimension is known only at the end).
+bool gathers(int32_t kind) { return kind == FX_ALLGATHER || kind == FX_REDUCESCATTER || kind == FX_ALLTOALL; }
+
 // Runs the wait op's continuation for a finished collective (its entry already removed).
 void complete_wait(Pending& p) {
   TF_OpKernelContext* ctx = p.wait_ctx;
+  if (p.error == FX_OK && p.kind == FX_ALLTOALL) {
+    const int64_t n = static_cast<int64_t>(p.recv_splits.size());
+    Status st;
+    TF_Tensor* sp = tf.TF_AllocateOutput(ctx, 1, kTfInt32, &n, 1, p.recv_splits.size() * sizeof(int32_t), st.s);
+    if (!st.ok()) {
+      p.error = FX_ENGINE_ERROR;
+      p.message = std::string("allocating the received splits: ") + tf.TF_Message(st.s);
+    } else {
+      if (n) std::memcpy(tf.TF_TensorData(sp), p.recv_splits.data(), p.recv_splits.size() * sizeof(int32_t));
+      tf.TF_DeleteTensor(sp);
+    }
+  }
   if (p.error != FX_OK) {
     fail(ctx, p.error, p.message);
-  } else if (p.kind == FX_ALLGATHER) {
+  } else if (gathers(p.kind)) {
     std::vector<int64_t> dims = p.wait_dims;
     if (dims.empty()) dims.push_back(0);
     dims[0] = p.rows;
@@ -153,7 +177,7 @@ void complete_wait(Pending& p) {
 
 // The engine's completion callback (engine thread).
 void on_engine_done(void* ctx, int32_t error, const char* message, const void* gathered, size_t gathered_bytes,
-                    int64_t rows) {
+                    int64_t rows, const int64_t* recv_splits, int32_t nsplits) {
   const int64_t handle = reinterpret_cast<intptr_t>(ctx);
   Pending finished;
   bool waiting = false;
@@ -166,9 +190,10 @@ void on_engine_done(void* ctx, int32_t error, const char* message, const void* g
     p.done = true;
     p.error = error;
     if (error != FX_OK) p.message = message ? message : "";
-    if (error == FX_OK && p.kind == FX_ALLGATHER) {
+    if (error == FX_OK && gathers(p.kind)) {
       p.gathered.assign(static_cast<const char*>(gathered), static_cast<const char*>(gathered) + gathered_bytes);
       p.rows = rows;
+      p.recv_splits.assign(recv_splits, recv_splits + nsplits);
     }
     keep_in = p.keep_in;
     keep_out = p.keep_out;
@@ -226,7 +251,11 @@ void* submit_create(TF_OpKernelConstruction* c) {
   if (st.ok()) {
     a->prescale = bits_to_double(pre);
     a->postscale = bits_to_double(post);
-    a->kind = kind == "broadcast" ? FX_BROADCAST : kind == "allgather" ? FX_ALLGATHER : FX_ALLREDUCE;
+    a->kind = kind == "broadcast"       ? FX_BROADCAST
+              : kind == "allgather"     ? FX_ALLGATHER
+              : kind == "alltoall"      ? FX_ALLTOALL
+              : kind == "reducescatter" ? FX_REDUCESCATTER
+                                        : FX_ALLREDUCE;
   } else {
     tf.TF_OpKernelConstruction_Failure(c, st.s);
   }
@@ -251,7 +280,25 @@ void submit_compute(void* kernel, TF_OpKernelContext* ctx) {
   p.kind = a.kind;
   const void* src = nullptr;
   void* dst = nullptr;
-  if (a.kind == FX_ALLGATHER) {
+  std::vector<int64_t> splits;  // alltoall: the second input (int32 or int64)
+  if (a.kind == FX_ALLTOALL) {
+    TF_Tensor* sp = nullptr;
+    tf.TF_GetInput(ctx, 1, &sp, st.s);
+    if (!st.ok()) {
+      tf.TF_DeleteTensor(in);
+      return tf.TF_OpKernelContext_Failure(ctx, st.s);
+    }
+    const int64_t n = tf.TF_NumDims(sp) == 0 ? 1 : tf.TF_Dim(sp, 0);
+    if (tf.TF_TensorType(sp) == kTfInt32) {
+      const int32_t* v = static_cast<const int32_t*>(tf.TF_TensorData(sp));
+      splits.assign(v, v + n);
+    } else {
+      const int64_t* v = static_cast<const int64_t*>(tf.TF_TensorData(sp));
+      splits.assign(v, v + n);
+    }
+    tf.TF_DeleteTensor(sp);
+  }
+  if (gathers(a.kind)) {
     tf.TF_SetOutput(ctx, 0, in, st.s);
     if (!st.ok()) {
       tf.TF_DeleteTensor(in);
@@ -308,6 +355,8 @@ void submit_compute(void* kernel, TF_OpKernelContext* ctx) {
   q.bucket_cap = a.bucket_cap;
   q.in = src;
   q.out = dst;
+  q.splits = splits.empty() ? nullptr : splits.data();
+  q.nsplits = static_cast<int32_t>(splits.size());
   {
     std::lock_guard<std::mutex> lk(g_mu);
     g_pending.emplace(handle, std::move(p));  // before submitting: the engine may finish at once
@@ -334,7 +383,7 @@ void submit_compute(void* kernel, TF_OpKernelContext* ctx) {
 // FastxferWait / FastxferWaitGather
 
 struct WaitKernel {
-  bool gather = false;
+  bool gather = false;  // the result is allocated at the end (allgather, reducescatter, alltoall)
   int dtype = 0;
 };
 
@@ -426,8 +475,9 @@ void submit_shape(TF_ShapeInferenceContext* ctx, TF_Status* s) {
 
 void unknown_shape(TF_ShapeInferenceContext* ctx, TF_Status* s) { tf.TF_ShapeInferenceContextSetUnknownShape(ctx, s); }
 
-constexpr const char* kTypes = "T: {float, double, half, bfloat16, int32, int64}";
-constexpr int kTypeList[] = {kTfFloat, kTfDouble, kTfHalf, kTfBFloat16, kTfInt32, kTfInt64};
+constexpr const char* kTypes = "T: {float, double, half, bfloat16, int32, int64, uint8, int8, uint16, int16, bool}";
+constexpr int kTypeList[] = {kTfFloat, kTfDouble, kTfHalf,  kTfBFloat16, kTfInt32, kTfInt64,
+                             kTfUInt8, kTfInt8,   kTfUInt16, kTfInt16,   kTfBool};
 
 bool register_op(const char* name, const std::vector<const char*>& inputs, const std::vector<const char*>& outputs,
                  const std::vector<const char*>& attrs, ShapeFn shape, std::string* err) {
@@ -462,17 +512,32 @@ std::string register_all() {
   const char* why = resolve_tf_api();
   if (*why != '\0') return why;
   std::string err;
-  bool ok = register_op("FastxferSubmit", {"tensor: T"}, {"output: T", "handle: int64"},
-                        {kTypes, "kind: {'allreduce', 'broadcast', 'allgather'}", "tensor_name: string",
-                         "reduce_op: int = 0", "compression: int = 0", "root: int = 0", "prescale_bits: int = 0",
-                         "postscale_bits: int = 0", "bucket_cap: int = 0"},
-                        submit_shape, &err) &&
+  const std::vector<const char*> submit_attrs = {
+      kTypes, "kind: {'allreduce', 'broadcast', 'allgather', 'reducescatter', 'alltoall'}", "tensor_name: string",
+      "reduce_op: int = 0", "compression: int = 0", "root: int = 0", "prescale_bits: int = 0",
+      "postscale_bits: int = 0", "bucket_cap: int = 0"};
+  std::vector<const char*> splits_attrs = submit_attrs;
+  splits_attrs.push_back("Tsplits: {int32, int64}");
+  bool ok = register_op("FastxferSubmit", {"tensor: T"}, {"output: T", "handle: int64"}, submit_attrs, submit_shape,
+                        &err) &&
+            register_op("FastxferSubmitSplits", {"tensor: T", "splits: Tsplits"}, {"output: T", "handle: int64"},
+                        splits_attrs, submit_shape, &err) &&
+            register_op("FastxferWaitAlltoall", {"tensor: T", "handle: int64"}, {"result: T", "received_splits: int32"},
+                        {kTypes}, unknown_shape, &err) &&
             register_op("FastxferWait", {"tensor: T", "handle: int64"}, {"result: T"}, {kTypes}, same_shape, &err) &&
             register_op("FastxferWaitGather", {"tensor: T", "handle: int64"}, {"result: T"}, {kTypes}, unknown_shape,
                         &err) &&
             register_kernels("FastxferSubmit",
                              [] { return tf.TF_NewKernelBuilder("FastxferSubmit", "CPU", submit_create, submit_compute,
                                                                 submit_delete); },
+                             &err) &&
+            register_kernels("FastxferSubmitSplits",
+                             [] { return tf.TF_NewKernelBuilder("FastxferSubmitSplits", "CPU", submit_create,
+                                                                submit_compute, submit_delete); },
+                             &err) &&
+            register_kernels("FastxferWaitAlltoall",
+                             [] { return tf.TF_NewAsyncKernelBuilder("FastxferWaitAlltoall", "CPU", wait_gather_create,
+                                                                     wait_compute, wait_delete); },
                              &err) &&
             register_kernels("FastxferWait",
                              [] { return tf.TF_NewAsyncKernelBuilder("FastxferWait", "CPU", wait_create, wait_compute,

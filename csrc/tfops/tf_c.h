@@ -23,7 +23,10 @@ namespace fastxfer {
 namespace tfops {
 
 // TF_DataType and TF_Code values (C enums: int-sized in the ABI).
-enum TfType : int { kTfFloat = 1, kTfDouble = 2, kTfInt32 = 3, kTfInt64 = 9, kTfBFloat16 = 14, kTfHalf = 19 };
+enum TfType : int {
+  kTfFloat = 1, kTfDouble = 2, kTfInt32 = 3, kTfUInt8 = 4, kTfInt16 = 5, kTfInt8 = 6, kTfInt64 = 9, kTfBool = 10,
+  kTfBFloat16 = 14, kTfUInt16 = 17, kTfHalf = 19
+};
 enum TfCode : int {
   kTfOk = 0,
   kTfInvalidArgument = 3,

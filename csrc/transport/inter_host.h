@@ -26,6 +26,10 @@ class InterHost {
   virtual std::vector<std::vector<char>> allgather_bytes(const std::vector<char>& mine) = 0;
   virtual void broadcast(void* buf, size_t nbytes, int root) = 0;
   virtual void allgatherv(const void* in, void* out, const std::vector<size_t>& bytes) = 0;
+  // Rank r sends send_bytes[j] bytes to rank j (blocks of `in` back to back in rank order) and
+  // receives recv_bytes[j] bytes from rank j into `out` (likewise).
+  virtual void alltoallv(const void* in, void* out, const std::vector<size_t>& send_bytes,
+                         const std::vector<size_t>& recv_bytes) = 0;
   // On a separate communicator, from the calling (not the engine) thread. `what` describes the
   // request (name, dtype, shape, op): ranks whose descriptions differ raise MismatchError.
   virtual void oob_allreduce(const void* in, void* out, size_t n, DType dtype, ReduceOp op,

@@ -11,9 +11,9 @@ background engine that reduces over shared memory.
 """
 
 from fastxfer import _core
-from fastxfer.comm import (Handle, allgather, allreduce, allreduce_async, barrier, broadcast, broadcast_object,
-                           engine_stats, init, is_initialized, local_rank, local_size, oob_allreduce, rank, shutdown,
-                           size)
+from fastxfer.comm import (Handle, allgather, allreduce, allreduce_async, alltoall, alltoall_async, barrier, broadcast,
+                           broadcast_object, engine_stats, grouped_reducescatter, init, is_initialized, local_rank,
+                           local_size, oob_allreduce, rank, reducescatter, shutdown, size)
 from fastxfer.compression import compress, decompress
 from fastxfer.errors import FastxferError, MismatchError, PeerFailureError
 
@@ -40,16 +40,20 @@ __all__ = [
     "allgather",
     "allreduce",
     "allreduce_async",
+    "alltoall",
+    "alltoall_async",
     "barrier",
     "broadcast",
     "broadcast_object",
     "engine_stats",
+    "grouped_reducescatter",
     "init",
     "is_initialized",
     "local_rank",
     "local_size",
     "oob_allreduce",
     "rank",
+    "reducescatter",
     "shutdown",
     "size",
     "MismatchError",

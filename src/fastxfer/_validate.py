@@ -18,8 +18,13 @@ DTYPES: dict[str, np.dtype] = {
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
     "int32": np.dtype(np.int32),
     "int64": np.dtype(np.int64),
+    "uint8": np.dtype(np.uint8),
+    "int8": np.dtype(np.int8),
+    "uint16": np.dtype(np.uint16),
+    "int16": np.dtype(np.int16),
+    "bool": np.dtype(np.bool_),
 }
-OPS: tuple[str, ...] = ("sum", "average", "min", "max")
+OPS: tuple[str, ...] = ("sum", "average", "min", "max", "product")
 COMPRESSIONS: tuple[str, ...] = ("none", "bf16", "fp16")
 # what a compressed float32 value travels as
 WIRE_DTYPES: dict[str, np.dtype] = {"bf16": DTYPES["bfloat16"], "fp16": DTYPES["float16"]}
@@ -49,8 +54,7 @@ def array(x, what: str = "array") -> np.ndarray:
         except Exception as e:  # noqa: BLE001 - report what numpy said
             raise TypeError(f"{what} must be a numpy array or array-like: {e}") from None
     if a.dtype.name not in DTYPES or DTYPES[a.dtype.name] != a.dtype:
-        raise TypeError(f"{what} has dtype {a.dtype.name}; fastxfer reduces float32, float64, float16, bfloat16, "
-                        "int32 and int64")
+        raise TypeError(f"{what} has dtype {a.dtype.name}; fastxfer moves {', '.join(DTYPES)}")
     return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
 
@@ -93,7 +97,7 @@ def out_like(out, a: np.ndarray, what: str = "out") -> np.ndarray:
 
 
 def op(value) -> str:
-    """A reduction op name, lower-cased: sum, average, min or max."""
+    """A reduction op name, lower-cased: sum, average, min, max or product."""
     if not isinstance(value, str) or value.lower() not in OPS:
         raise ValueError(f"op must be one of {', '.join(OPS)}, not {value!r}")
     return value.lower()

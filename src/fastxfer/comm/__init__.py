@@ -1,8 +1,9 @@
 """Communication: joining the job (group), the collectives on numpy arrays, and the MPI bridge
 between hosts. ``group`` knows nothing of the collectives; the collectives build on ``group``."""
 
-from fastxfer.comm.collectives import (Handle, allgather, allreduce, allreduce_async, barrier, broadcast,
-                                       broadcast_object, oob_allreduce)
+from fastxfer.comm.collectives import (Handle, allgather, allreduce, allreduce_async, alltoall, alltoall_async,
+                                       barrier, broadcast, broadcast_object, grouped_reducescatter, oob_allreduce,
+                                       reducescatter)
 from fastxfer.comm.group import (Layout, engine_stats, hosts, init, is_initialized, layout, local_rank, local_size,
                                  rank, shutdown, size)
 
@@ -12,10 +13,13 @@ __all__ = [
     "allgather",
     "allreduce",
     "allreduce_async",
+    "alltoall",
+    "alltoall_async",
     "barrier",
     "broadcast",
     "broadcast_object",
     "engine_stats",
+    "grouped_reducescatter",
     "hosts",
     "init",
     "is_initialized",
@@ -24,6 +28,7 @@ __all__ = [
     "local_size",
     "oob_allreduce",
     "rank",
+    "reducescatter",
     "shutdown",
     "size",
 ]

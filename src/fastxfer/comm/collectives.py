@@ -1,5 +1,5 @@
 """Collectives on numpy arrays: allreduce (sync and async), oob_allreduce, broadcast, allgather,
-barrier. Every rank must issue the same collectives in the same order; names (automatic if not
+alltoall, reducescatter (and grouped), barrier. Every rank must issue the same collectives in the same order; names (automatic if not
 given) and shapes are checked, and a disagreement raises MismatchError on every rank."""
 
 from __future__ import annotations
@@ -70,9 +70,11 @@ class Handle:
             return self._result
         try:
             self._eng.wait(self._id)
-            if self._kind == "allgather":
-                raw, rows = self._eng.take_gathered(self._id)
+            if self._kind in ("allgather", "alltoall", "reducescatter"):
+                raw, rows, splits = self._eng.take_gathered(self._id)
                 self._out = raw.view(self._dtype).reshape((rows,) + tuple(self._shape[1:]))
+                if self._kind == "alltoall":
+                    self._out = (self._out, np.asarray(splits, np.int64))
         finally:
             self._eng.release(self._id)
             with _lock:
@@ -91,7 +93,7 @@ class Handle:
 
 
 def _submit(kind: str, name, arr, out, op="sum", compression="none", root=0, prescale=1.0, postscale=1.0,
-            shape=None, dtype=None, bucket_cap=0, sync=False) -> Handle:
+            shape=None, dtype=None, bucket_cap=0, sync=False, splits=()) -> Handle:
     eng = group.engine()
     if name is None:
         name = _auto_name(kind)
@@ -101,7 +103,7 @@ def _submit(kind: str, name, arr, out, op="sum", compression="none", root=0, pre
         _sweep(eng)
         # sync: the caller waits at once, and its wait() runs the round on this thread (engine.h)
         rid = eng.submit(kind, name, arr, out, op, compression, root, float(prescale), float(postscale), bucket_cap,
-                         sync)
+                         sync, list(splits))
         _keepalive[rid] = (arr, out)
     return Handle(eng, rid, out, kind, shape, dtype)
 
@@ -143,9 +145,11 @@ def allreduce_settings(dtype, op, compression, prescale, postscale, bucket_cap_m
     for what, v in (("prescale", prescale), ("postscale", postscale)):
         if not np.isfinite(v):
             raise ValueError(f"{what} must be a finite number, not {v!r}")
-    if dtype.kind == "i":
-        if op == "average":
-            raise TypeError(f"op='average' needs a floating dtype, not {dtype.name}: use op='sum' and divide")
+    if dtype.kind in "iub":
+        # Integers average as Horovod does: the wrapped sum times 1/size in double precision,
+        # truncated toward zero (docs/algorithms.md, "Integers and bool"). bool has no average.
+        if op == "average" and dtype.kind == "b":
+            raise TypeError("op='average' needs a numeric dtype, not bool: sum is a logical or, min a logical and")
         if prescale != 1.0 or postscale != 1.0:
             raise TypeError(f"{dtype.name} arrays cannot be scaled")
     if dtype in (check.DTYPES["float16"], check.DTYPES["bfloat16"]) and prescale != 1.0:
@@ -167,8 +171,8 @@ def oob_allreduce(array, op: str = "average", name: str | None = None) -> np.nda
     eng = group.engine()
     a = check.array(array)
     op = check.op(op)
-    if a.dtype.kind == "i" and op == "average":
-        raise TypeError(f"op='average' needs a floating dtype, not {a.dtype.name}: use op='sum' and divide")
+    if a.dtype.kind == "b" and op == "average":
+        raise TypeError("op='average' needs a numeric dtype, not bool: sum is a logical or, min a logical and")
     if a.nbytes > eng.oob_capacity:
         raise ValueError(f"oob_allreduce is for small arrays (at most {eng.oob_capacity} bytes); this one has "
                          f"{a.nbytes}: use allreduce")
@@ -199,6 +203,70 @@ def allgather(array, name: str | None = None) -> np.ndarray:
     return _submit("allgather", name, a, None, shape=a.shape, dtype=a.dtype, sync=True).wait()
 
 
+def _first_dim(a: np.ndarray, what: str) -> None:
+    if a.ndim == 0:
+        raise ValueError(f"{what} needs at least one dimension (it splits the first one); use a[None]")
+    if a.ndim > 8:
+        raise ValueError(f"{what} supports at most 8 dimensions, not {a.ndim}; reshape first")
+
+
+def split_counts(splits) -> list[int]:
+    """``splits`` as a list of ints (None: [] = an equal split). The engine checks the values:
+    one per rank, each >= 0, adding up to the first dimension."""
+    if splits is None:
+        return []
+    s = np.asarray(splits)
+    if s.ndim != 1 or (s.size and s.dtype.kind not in "iu"):
+        raise TypeError(f"splits must be a 1-D sequence of ints (rows sent to each rank), not {splits!r}")
+    return [int(v) for v in s]
+
+
+def alltoall_async(array, splits=None, name: str | None = None) -> Handle:
+    """Start an alltoall (see alltoall); ``wait()`` returns (received, received_splits)."""
+    a = check.array(array)
+    _first_dim(a, "alltoall")
+    return _submit("alltoall", name, a, None, shape=a.shape, dtype=a.dtype, splits=split_counts(splits))
+
+
+def alltoall(array, splits=None, name: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Horovod's alltoall: rank r sends rows [s_0 + ... + s_{j-1}, ... + s_j) of ``array`` (axis 0)
+    to rank j, where ``splits`` = [s_0, ..., s_{size-1}] (default: an equal split, the first
+    dimension divisible by size). Returns (received, received_splits): the rows every rank sent
+    here, concatenated in rank order, and how many came from each rank (int64). Ranks' splits
+    and first dimensions may differ; the other dimensions and the dtype must match."""
+    a = check.array(array)
+    _first_dim(a, "alltoall")
+    return _submit("alltoall", name, a, None, shape=a.shape, dtype=a.dtype, sync=True,
+                   splits=split_counts(splits)).wait()
+
+
+def _reducescatter(array, op, name, prescale, postscale, sync) -> Handle:
+    a = check.array(array)
+    _first_dim(a, "reducescatter")
+    op = check.op(op)
+    if op not in ("sum", "average"):
+        raise ValueError(f"reducescatter takes op 'sum' or 'average', not {op!r}")
+    op, _, pre, post, _ = allreduce_settings(a.dtype, op, "none", prescale, postscale, None)
+    return _submit("reducescatter", name, a, None, op, "none", 0, pre, post, shape=a.shape, dtype=a.dtype, sync=sync)
+
+
+def reducescatter(array, op: str = "average", name: str | None = None, prescale: float = 1.0,
+                  postscale: float = 1.0) -> np.ndarray:
+    """Horovod's reducescatter: reduce ``array`` (same shape on every rank) across ranks and return
+    this rank's rows of the result. The first dimension is split as evenly as possible, the first
+    (rows mod size) ranks getting one row more. ``op``: average or sum. Pre- and post-scale
+    multiply the reduced values once (their product), after the sum."""
+    return _reducescatter(array, op, name, prescale, postscale, True).wait()
+
+
+def grouped_reducescatter(arrays, op: str = "average", name: str | None = None, prescale: float = 1.0,
+                          postscale: float = 1.0) -> list[np.ndarray]:
+    """reducescatter of every array in the list, all submitted before any is waited for."""
+    hs = [_reducescatter(a, op, None if name is None else f"{name}.{i}", prescale, postscale, False)
+          for i, a in enumerate(arrays)]
+    return [h.wait() for h in hs]
+
+
 def barrier() -> None:
     """Returns once every rank has called barrier()."""
     _submit("barrier", "barrier", None, None, sync=True).wait()
@@ -215,5 +283,6 @@ def broadcast_object(obj, root: int = 0):
     return obj if me == root else pickle.loads(got.tobytes()[:n])
 
 
-__all__ = ["Handle", "allgather", "allreduce", "allreduce_async", "allreduce_settings", "barrier", "broadcast", "broadcast_object",
-           "oob_allreduce"]
+__all__ = ["Handle", "allgather", "allreduce", "allreduce_async", "allreduce_settings", "alltoall", "alltoall_async",
+           "barrier", "broadcast", "broadcast_object", "grouped_reducescatter", "oob_allreduce", "reducescatter",
+           "split_counts"]

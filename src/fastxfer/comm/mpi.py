@@ -33,8 +33,11 @@ class MPIInterHost:
         self.cross = comm.Split(color=local_rank, key=host_index)
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
-        self._builtin = {"sum": MPI.SUM, "average": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX}
-        self._mpi_types = {"float32": MPI.FLOAT, "float64": MPI.DOUBLE, "int32": MPI.INT32_T, "int64": MPI.INT64_T}
+        self._builtin = {"sum": MPI.SUM, "average": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "product": MPI.PROD}
+        # bool (one byte, 0 or 1): sum and max are a logical or, min and product a logical and
+        self._bool_ops = {"sum": MPI.LOR, "max": MPI.LOR, "min": MPI.LAND, "product": MPI.LAND}
+        self._mpi_types = {"float32": MPI.FLOAT, "float64": MPI.DOUBLE, "int32": MPI.INT32_T, "int64": MPI.INT64_T,
+                           "uint8": MPI.UINT8_T, "int8": MPI.INT8_T, "uint16": MPI.UINT16_T, "int16": MPI.INT16_T}
         self._ops: dict[tuple[str, str], object] = {}
 
     # -- 16-bit floats: MPI has no bf16/fp16 sum; reduce with fastxfer's kernels ------------------
@@ -49,6 +52,8 @@ class MPIInterHost:
                 b = np.frombuffer(inoutbuf, wire)
                 if op in ("sum", "average"):
                     _core.sum_compress(a, b, b, kind, 1)  # b = round(a + b), in float32
+                elif op == "product":
+                    np.copyto(b, (a.astype(np.float32) * b.astype(np.float32)).astype(wire))
                 else:
                     f = np.minimum if op == "min" else np.maximum
                     np.copyto(b, f(a.astype(np.float32), b.astype(np.float32)).astype(wire))
@@ -58,7 +63,10 @@ class MPIInterHost:
 
     def _reduce(self, comm, buf: np.ndarray, dtype: str, op: str) -> None:
         MPI = self._MPI
-        if dtype in self._mpi_types:
+        if dtype == "bool":
+            # MPI's logical ops on one-byte values (MPI.C_BOOL); any non-zero byte is true
+            comm.Allreduce(MPI.IN_PLACE, [buf.view(np.uint8), MPI.C_BOOL], op=self._bool_ops[op])
+        elif dtype in self._mpi_types:
             comm.Allreduce(MPI.IN_PLACE, [buf.view(check.DTYPES[dtype]), self._mpi_types[dtype]],
                            op=self._builtin[op])
         else:
@@ -83,6 +91,12 @@ class MPIInterHost:
     def allgatherv(self, mine: np.ndarray, out: np.ndarray, sizes: list[int]) -> None:
         displs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int).tolist()
         self.world.Allgatherv([mine, self._MPI.BYTE], [out, (list(map(int, sizes)), displs), self._MPI.BYTE])
+
+    def alltoallv(self, mine: np.ndarray, out: np.ndarray, send: list[int], recv: list[int]) -> None:
+        sd = np.concatenate([[0], np.cumsum(send)[:-1]]).astype(int).tolist()
+        rd = np.concatenate([[0], np.cumsum(recv)[:-1]]).astype(int).tolist()
+        self.world.Alltoallv([mine, (list(map(int, send)), sd), self._MPI.BYTE],
+                             [out, (list(map(int, recv)), rd), self._MPI.BYTE])
 
     def oob_allreduce(self, src: np.ndarray, out: np.ndarray, dtype: str, op: str, what: str) -> None:
         # `what` names the request (name, dtype, shape, op): every rank must send the same
