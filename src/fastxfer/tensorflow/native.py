@@ -11,7 +11,10 @@ The ops (design: docs/tensorflow.md):
 - ``submit(tensor, ...) -> (output, handle)`` hands the tensor to the engine and returns at once;
   ``output`` is the tensor's own buffer when TensorFlow can forward it (in place), else a new one.
 - ``wait(output, handle) -> result`` completes when the engine has reduced that tensor.
-- ``wait_gather(tensor, handle) -> result`` the same for allgather (result allocated at the end).
+- ``wait_gather(tensor, handle) -> result`` the same for allgather and reducescatter (result
+  allocated at the end).
+- ``submit_splits(tensor, splits, name)`` / ``wait_alltoall(output, handle) -> (result, splits)``:
+  alltoall, whose splits are a tensor read when the op runs.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from fastxfer.errors import FastxferError, MismatchError, PeerFailureError
 PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_tfops.so")
 
 # the engine's codes (csrc/common/request.h, dtype.h): the op's attributes carry these
-OP_CODES = {"sum": 0, "average": 1, "min": 2, "max": 3}
+OP_CODES = {"sum": 0, "average": 1, "min": 2, "max": 3, "product": 4}
 COMPRESSION_CODES = {"none": 0, "bf16": 1, "fp16": 2}
 
 _lock = threading.Lock()
@@ -128,6 +131,17 @@ def submit(tensor, kind: str, name: str, op: str = "sum", compression: str = "no
                                 bucket_cap=int(bucket_cap), name="fastxfer_submit")
 
 
+def submit_splits(tensor, splits, name: str):
+    """The alltoall submit op: ``splits`` is an int32/int64 vector tensor (empty: an equal split),
+    read when the op runs."""
+    return _lib.fastxfer_submit_splits(tensor, splits, kind="alltoall", tensor_name=name, name="fastxfer_submit")
+
+
+def wait_alltoall(output, handle):
+    """(received, received_splits int32) of an alltoall submit."""
+    return _lib.fastxfer_wait_alltoall(output, handle, name="fastxfer_wait")
+
+
 def wait(output, handle):
     return _lib.fastxfer_wait(output, handle, name="fastxfer_wait")
 
@@ -138,7 +152,7 @@ def wait_gather(output, handle):
 
 def is_submit(t) -> bool:
     """Whether ``t`` is the handle output of a native submit op (graph mode)."""
-    return getattr(getattr(t, "op", None), "type", None) == "FastxferSubmit"
+    return getattr(getattr(t, "op", None), "type", None) in ("FastxferSubmit", "FastxferSubmitSplits")
 
 
 _CLASSES = {"PeerFailureError": PeerFailureError, "MismatchError": MismatchError, "FastxferError": FastxferError,

@@ -1,5 +1,6 @@
 """Collectives on tf.Tensors, eager and inside tf.function: Horovod's op and compression names,
-allreduce, grouped_allreduce, broadcast, allgather, oob_allreduce.
+allreduce, grouped_allreduce, broadcast, allgather, alltoall, reducescatter, grouped_reducescatter,
+oob_allreduce.
 
 Each collective is a pair of ops: a *submit* op that hands the tensor to fastxfer's engine as
 soon as TensorFlow has produced it, and a *wait* op that returns the result. They are fastxfer's
@@ -25,7 +26,7 @@ from fastxfer import _validate
 from fastxfer.comm.collectives import allreduce_settings
 from fastxfer.tensorflow import native
 
-Average, Sum, Min, Max = "average", "sum", "min", "max"
+Average, Sum, Min, Max, Product = "average", "sum", "min", "max", "product"
 
 
 class Compression:
@@ -51,7 +52,7 @@ _CHAIN = "_fastxfer_last_submit"  # graph attribute: the latest submit op of tha
 
 
 def check_op(op, average=None) -> str:
-    """The reduction op name (Average, Sum, Min or Max); ``average`` is Horovod's older keyword
+    """The reduction op name (Average, Sum, Min, Max or Product); ``average`` is Horovod's older keyword
     (True: Average, False: Sum) and wins when given."""
     if average is not None:
         op = Average if average else Sum
@@ -318,3 +319,175 @@ def oob_allreduce(value, op=Average, name=None):
                                "tf.function use allreduce")
     x = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
     return tf.convert_to_tensor(fx.oob_allreduce(x, op=op, name=name))
+
+
+# ---- alltoall and reducescatter ----------------------------------------------------------------
+# Native ops (C++, asynchronous) like allgather: the result's first dimension is known only when
+# the engine has run, so the wait op allocates it. Gradients as Horovod defines them: alltoall's
+# is an alltoall back with the received splits; reducescatter's an allgather (times size for sum).
+
+
+def _gather_kind(kind, t, name, op="sum", pre=1.0, post=1.0, splits=None):
+    """Graph or eager: submit and wait one allgather-like collective through the native ops; returns
+    the result (and, for alltoall, the received splits)."""
+    def submit():
+        if kind == "alltoall":
+            return native.submit_splits(t, splits, name)
+        o, _, p0, p1, _ = allreduce_settings(_np_dtype(t), op, "none", pre, post, None)
+        return native.submit(t, kind, name, o, "none", 0, p0, p1)
+
+    def wait(out, h):
+        if kind == "alltoall":
+            return native.wait_alltoall(out, h)
+        return native.wait_gather(out, h)
+
+    if tf.executing_eagerly():
+        return _eager(lambda: wait(*submit()))
+    graph = _graph_checks(kind)
+    pair = {}
+    chained(graph, lambda: pair.setdefault("h", submit())[1])
+    return wait(*pair["h"])
+
+
+def _bridge(kind, t, name, op="sum", pre=1.0, post=1.0, splits=None):
+    """The same through the tf.numpy_function bridge (FASTXFER_TF_NATIVE=0, or no op library)."""
+    def call(x, s=None):
+        if kind == "alltoall":
+            out, rs = fx.alltoall(x, splits=None if s is None or len(s) == 0 else s, name=name)
+            return out, rs.astype(np.int32)
+        return fx.reducescatter(x, op=op, name=name, prescale=pre, postscale=post)
+
+    if tf.executing_eagerly():
+        if kind == "alltoall":
+            out, rs = call(t.numpy(), splits.numpy())
+            return tf.convert_to_tensor(out), tf.convert_to_tensor(rs)
+        return tf.convert_to_tensor(call(t.numpy()))
+    graph = _graph_checks(kind)
+    res = {}
+    if kind == "alltoall":
+        chained(graph, lambda: res.setdefault("r", tf.numpy_function(
+            call, [t, splits], [t.dtype, tf.int32], stateful=True, name="fastxfer_alltoall"))[0].op)
+        return tuple(res["r"])
+    chained(graph, lambda: res.setdefault("r", tf.numpy_function(
+        call, [t], t.dtype, stateful=True, name="fastxfer_reducescatter")).op)
+    return res["r"]
+
+
+def _run_gather_kind(kind, t, name, **kw):
+    if native.library() is not None:
+        return _gather_kind(kind, t, name, **kw)
+    return _bridge(kind, t, name, **kw)
+
+
+def _check_rank(t, what):
+    if t.shape.rank == 0:
+        raise ValueError(f"{what} needs at least one dimension (it splits the first one); use a[None]")
+    if t.shape.rank is not None and t.shape.rank > 8:
+        raise ValueError(f"{what} supports at most 8 dimensions, not {t.shape.rank}; reshape first")
+    _validate.numpy_dtype(_np_dtype(t))
+
+
+def alltoall(tensor, splits=None, name=None, ignore_name_scope=False):
+    """Horovod's alltoall: rank r sends the j-th block of rows of ``tensor`` (axis 0; sizes
+    ``splits``, a vector of one int per rank, default an equal split) to rank j, and receives the
+    rows every rank sent it, concatenated in rank order. Returns the received tensor, and, when
+    ``splits`` is given, also the received splits (int32), as Horovod does. Differentiable: the
+    gradient is an alltoall back with the received splits. ``ignore_name_scope`` is accepted for
+    Horovod compatibility (fastxfer's names never include a name scope)."""
+    del ignore_name_scope
+    t = tf.convert_to_tensor(tensor)
+    _check_rank(t, "alltoall")
+    sp = tf.constant([], tf.int32) if splits is None else tf.cast(tf.convert_to_tensor(splits), tf.int32)
+    out, rsplits = _alltoall(t, sp, _op_name("alltoall", name))
+    return (out, rsplits) if splits is not None else out
+
+
+def _alltoall(t, sp, name):
+    if not t.dtype.is_floating:
+        out, rs = _run_gather_kind("alltoall", t, name, splits=sp)
+        return _shaped(out, t), rs
+    held = {}
+
+    @tf.custom_gradient
+    def fn(x):
+        out, rs = _run_gather_kind("alltoall", x, name, splits=sp)
+        held["rs"] = rs
+
+        def grad(dy):
+            back, _ = _run_gather_kind("alltoall", tf.convert_to_tensor(dy), _op_name("alltoall", None), splits=rs)
+            return _shaped(back, x)
+
+        return _shaped(out, x), grad
+
+    out = fn(t)
+    return out, held["rs"]
+
+
+def _shaped(r, t):
+    """A gathered result has an unknown first dimension; the rest is the input's."""
+    if t.shape.rank is not None:
+        r.set_shape(tf.TensorShape([None]).concatenate(t.shape[1:]))
+    return r
+
+
+def reducescatter(tensor, device_dense="", compression=Compression.none, op=Average, name=None,
+                  ignore_name_scope=False, prescale_factor=1.0, postscale_factor=1.0):
+    """Horovod's reducescatter: reduce ``tensor`` (same shape on every rank) with ``op`` (Average or
+    Sum) and return this rank's rows of the result; the first dimension is split as evenly as
+    possible, the first (rows mod size) ranks getting one row more. ``compression`` (fp16/bf16)
+    casts floating tensors to 16 bits for the collective and back, as Horovod's compressors do.
+    Differentiable: the gradient is an allgather (times size for Sum), as Horovod defines it."""
+    del device_dense, ignore_name_scope
+    return grouped_reducescatter([tensor], compression=compression, op=op, prescale_factor=prescale_factor,
+                                 postscale_factor=postscale_factor, names=[_op_name("reducescatter", name)])[0]
+
+
+def grouped_reducescatter(tensors, device_dense="", compression=Compression.none, op=Average, prescale_factor=1.0,
+                          postscale_factor=1.0, names=None):
+    """reducescatter of every tensor in the list: all submitted (in list order) before any result is
+    waited for."""
+    del device_dense
+    op = check_op(op)
+    if op not in (Average, Sum):
+        raise ValueError(f"reducescatter takes op Average or Sum, not {op!r}")
+    compression = _validate.compression(compression)
+    ts = [tf.convert_to_tensor(t) for t in tensors]
+    if names is None:
+        names = [_op_name("reducescatter", None) for _ in ts]
+    elif len(names) != len(ts):
+        raise ValueError(f"{len(names)} names for {len(ts)} tensors")
+    wire = {"bf16": tf.bfloat16, "fp16": tf.float16}.get(compression)
+    outs = []
+    pending = []
+    for t, name in zip(ts, names):
+        _check_rank(t, "reducescatter")
+        orig = t.dtype
+        if wire is not None and orig.is_floating:
+            t = tf.cast(t, wire)
+        allreduce_settings(_np_dtype(t), op, "none", prescale_factor, postscale_factor, None)  # checks only
+        pending.append((t, name, orig))
+    for t, name, orig in pending:
+        outs.append(_reducescatter_one(t, name, op, prescale_factor, postscale_factor, orig))
+    return outs
+
+
+def _reducescatter_one(t, name, op, pre, post, orig):
+    def run(x):
+        r = _shaped(_run_gather_kind("reducescatter", x, name, op=op, pre=pre, post=post), x)
+        return tf.cast(r, orig) if r.dtype != orig else r
+
+    if not t.dtype.is_floating:
+        return run(t)
+
+    @tf.custom_gradient
+    def fn(x):
+        def grad(dy):
+            dy = tf.convert_to_tensor(dy)
+            if op == Sum:
+                dy = dy * tf.cast(fx.size(), dy.dtype)
+            g = allgather(dy)
+            return tf.cast(g, x.dtype) if g.dtype != x.dtype else g
+
+        return run(x), grad
+
+    return fn(t)
