@@ -9,6 +9,7 @@
 #include "common/cpu_features.h"
 #include "common/parallel.h"
 #include "kernels/compress.h"
+#include "kernels/reduce.h"
 
 namespace fastxfer {
 namespace bindings {
@@ -26,6 +27,22 @@ Compression wire16(const std::string& name) {
 }  // namespace
 
 void bind_kernels(py::module_& m) {
+  m.def(
+      "_reduce_block",
+      [](const std::string& op, const std::vector<py::array>& srcs, py::array out, double scale) {
+        if (srcs.empty()) throw py::value_error("need at least one source");
+        const std::string dt = dtype_str(srcs[0]);
+        const size_t n = size_of(srcs[0]);
+        std::vector<const void*> ptrs;
+        for (const auto& a : srcs) ptrs.push_back(checked_data(a, "source", dt, n, false));
+        void* dst = checked_data(out, "out", dt, n, true);
+        ReduceOp rop = op_from_name(op);
+        DType dtype = dtype_from_name(dt);
+        py::gil_scoped_release nogil;
+        reduce_block(rop, dtype, ptrs.data(), static_cast<int>(ptrs.size()), dst, n, scale);
+      },
+      py::arg("op"), py::arg("srcs"), py::arg("out"), py::arg("scale") = 1.0,
+      "The engine's reduce kernel (kernels/reduce.h) on equal-sized arrays, in list (rank) order: tests.");
   m.def("simd_level", [] { return std::string(simd_level_name(active_simd_level())); });
   m.def("supported_simd_levels", [] {
     std::vector<std::string> out;

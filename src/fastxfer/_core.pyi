@@ -65,6 +65,9 @@ def accumulate(acc: np.ndarray, src: np.ndarray, compression: str, threads: int 
 def sum_compress(a: np.ndarray, b: np.ndarray, out: np.ndarray, compression: str, threads: int = 0) -> None:
     """out = compress(decompress(a) + decompress(b)); out may alias a or b."""
 
+def _reduce_block(op: str, srcs: list[np.ndarray], out: np.ndarray, scale: float = 1.0) -> None:
+    """The engine's reduce kernel on equal-sized arrays of one dtype, in list (rank) order (tests)."""
+
 # ---- fusion --------------------------------------------------------------------------------------
 
 class Bucket:

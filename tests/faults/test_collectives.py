@@ -13,7 +13,9 @@ from _launch import fastxfer_segments, finish, launch, launch_cmd, launch_env, s
 W = "collectives_worker.py"
 
 
-@pytest.mark.parametrize("kind", ["name", "shape", "dtype", "op", "order", "count", "compression", "oob"])
+@pytest.mark.parametrize("kind", ["name", "shape", "dtype", "op", "order", "count", "compression", "oob",
+                                  "alltoall_dtype", "alltoall_shape", "reducescatter_shape", "reducescatter_op",
+                                  "kind"])
 def test_mismatch_raises_on_every_rank(kind):
     r = launch(2, W, "mismatch", kind)
     out = r.stdout
@@ -27,7 +29,8 @@ def test_mismatch_raises_on_every_rank(kind):
 
 
 @pytest.mark.parametrize("how,n,compression", [("kill", 1000, "none"), ("kill", 3_000_000, "none"),
-                                               ("exit", 3_000_000, "bf16"), ("kill", 300_001, "fp16")])
+                                               ("exit", 3_000_000, "bf16"), ("kill", 300_001, "fp16"),
+                                               ("kill", 3_000_000, "alltoall"), ("kill", 3_000_000, "reducescatter")])
 def test_dead_peer_fails_the_others_fast(how, n, compression):
     before = fastxfer_segments()
     r = launch(3, W, "die", how, n, compression)

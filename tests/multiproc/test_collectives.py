@@ -43,6 +43,27 @@ def test_broadcast_allgather_async_inplace_oob(np_):
     assert_ok(launch(np_, W, "collectives"), np_, "collectives")
 
 
+@pytest.mark.parametrize("np_", [2, 3])
+def test_new_dtypes_and_product_exact(np_):
+    """uint8/int8/uint16/int16/int32/int64 x sum/average/min/max/product with wrap-around, bool
+    or/and, product on the float dtypes, broadcast/allgather of the new dtypes (issue 15)."""
+    assert_ok(launch(np_, W, "dtypes15"), np_, "dtypes15")
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_alltoall_exact(np_):
+    """Even, uneven, empty, one-way and larger-than-window splits; several dtypes and dimensions;
+    async; bad splits refused on the rank that passed them."""
+    assert_ok(launch(np_, W, "alltoall"), np_, "alltoall")
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_reducescatter_exact(np_):
+    """Rows split as Horovod does (the first rows mod size ranks get one more), fewer rows than
+    ranks, past the window, integer averages truncated, grouped, scaled."""
+    assert_ok(launch(np_, W, "reducescatter"), np_, "reducescatter")
+
+
 def test_layout_from_launcher():
     r = launch(3, W, "info")
     assert r.returncode == 0, r.stderr

@@ -44,10 +44,22 @@ def test_bad_arguments(single):
         fx.allreduce(np.ones(3), compression="bf16")
     with pytest.raises(ValueError, match="compression must be"):
         fx.allreduce(np.ones(3, np.float32), compression="zip")
-    with pytest.raises(TypeError, match="op='average' needs a floating dtype"):
-        fx.allreduce(np.ones(3, np.int32))
+    with pytest.raises(TypeError, match="op='average' needs a numeric dtype, not bool"):
+        fx.allreduce(np.ones(3, bool))
+    with pytest.raises(TypeError, match="int32 arrays cannot be scaled"):
+        fx.allreduce(np.ones(3, np.int32), postscale=2.0)
     with pytest.raises(ValueError, match="op must be one of"):
         fx.allreduce(np.ones(3), op="prod")
+    with pytest.raises(ValueError, match="reducescatter takes op 'sum' or 'average'"):
+        fx.reducescatter(np.ones(3), op="max")
+    with pytest.raises(ValueError, match="at least one dimension"):
+        fx.reducescatter(np.float32(1.0))
+    with pytest.raises(ValueError, match="at least one dimension"):
+        fx.alltoall(np.float32(1.0))
+    with pytest.raises(TypeError, match="splits must be a 1-D sequence of ints"):
+        fx.alltoall(np.ones(3), splits=[1.5])
+    with pytest.raises(ValueError, match=r"alltoall splits add up to 2 rows, but the tensor's first dimension is 3"):
+        fx.alltoall(np.ones(3), splits=[2])
     with pytest.raises(ValueError, match=r"root must be a rank in 0..0"):
         fx.broadcast(np.ones(3), root=1)
     with pytest.raises(ValueError, match="at least one dimension"):
@@ -62,6 +74,22 @@ def test_bad_arguments(single):
         fx.allreduce(np.ones(3), name=3)
     # errors in arguments do not break the group
     np.testing.assert_array_equal(fx.allreduce(np.ones(3), op="sum"), np.ones(3))
+
+
+def test_single_process_new_dtypes_alltoall_reducescatter(single):
+    for dt in (np.uint8, np.int8, np.uint16, np.int16, np.bool_):
+        x = np.arange(7).astype(dt)
+        for op in ("sum", "min", "max", "product") + (("average",) if dt != np.bool_ else ()):
+            got = fx.allreduce(x, op=op)
+            assert got.dtype == x.dtype and np.array_equal(got, x), (dt, op)
+        assert np.array_equal(fx.broadcast(x), x) and np.array_equal(fx.allgather(x), x)
+    got, rs = fx.alltoall(np.arange(6).reshape(3, 2))
+    assert np.array_equal(got, np.arange(6).reshape(3, 2)) and rs.tolist() == [3] and rs.dtype == np.int64
+    got, rs = fx.alltoall(np.zeros((0, 4), np.float16), splits=[0])
+    assert got.shape == (0, 4) and got.dtype == np.float16 and rs.tolist() == [0]
+    assert np.array_equal(fx.reducescatter(np.arange(6.0).reshape(3, 2)), np.arange(6.0).reshape(3, 2))
+    assert [a.shape for a in fx.grouped_reducescatter([np.ones((2, 2)), np.ones(5, np.int8)], op="sum")] == \
+        [(2, 2), (5,)]
 
 
 def test_engine_thread_is_pinned_to_the_given_cpus():

@@ -254,6 +254,19 @@ def mismatch(kind):
             fx.allreduce(x, compression="bf16" if r == 0 else "none", name="g")
         elif kind == "oob":
             fx.oob_allreduce(np.ones(2 + r), name="m")
+        elif kind == "alltoall_dtype":
+            fx.alltoall(np.ones((2, 3), np.float32 if r == 0 else np.int32), name="a")
+        elif kind == "alltoall_shape":  # the first dimension may differ, the others may not
+            fx.alltoall(np.ones((2, 3 + r), np.float32), name="a")
+        elif kind == "reducescatter_shape":
+            fx.reducescatter(np.ones((4 + r, 2), np.float32), name="rs")
+        elif kind == "reducescatter_op":
+            fx.reducescatter(np.ones((4, 2), np.float32), op="sum" if r == 0 else "average", name="rs")
+        elif kind == "kind":  # the same name, a different collective
+            if r == 0:
+                fx.alltoall(np.ones((2, 2), np.float32), name="x")
+            else:
+                fx.reducescatter(np.ones((2, 2), np.float32), name="x")
         else:
             raise SystemExit(f"unknown mismatch kind {kind}")
     except fx.MismatchError as e:
@@ -274,7 +287,12 @@ def die(victim_kind, n, compression):
 
     r = fx.rank()
     x = np.ones(n, np.float32)
-    fx.allreduce(x, compression=compression)  # warm-up: everyone is attached and working
+    # "compression" may also name another collective to die in: alltoall or reducescatter
+    step = {"alltoall": lambda: fx.alltoall(x.reshape(fx.size(), -1) if n % fx.size() == 0 else x[:fx.size()]),
+            "reducescatter": lambda: fx.reducescatter(x, op="sum")}.get(compression)
+    if step is None:
+        step = lambda: fx.allreduce(x, compression=compression)  # noqa: E731
+    step()  # warm-up: everyone is attached and working
     if r == 1:
         def victim():
             time.sleep(0.3)
@@ -286,7 +304,7 @@ def die(victim_kind, n, compression):
     t0 = time.monotonic()
     try:
         while True:
-            fx.allreduce(x, compression=compression)
+            step()
     except fx.PeerFailureError as e:
         print(f"PEER-FAILURE rank {r} after {time.monotonic() - t0:.2f}s: {e}")
         sys.exit(5)
@@ -323,6 +341,171 @@ def shutdown_early():
         sys.exit(4)
 
 
+# ---- issue 15: the new dtypes and op, alltoall, reducescatter --------------------------------------
+
+NEW_INTS = [np.dtype(t) for t in (np.uint8, np.int8, np.uint16, np.int16)]
+
+
+def _wrap_sum(xs, dtype):
+    u = dtype.str.replace("i", "u")
+    acc = xs[0].view(u).copy()
+    for x in xs[1:]:
+        acc += x.view(u)
+    return acc.view(dtype)
+
+
+def _wrap_prod(xs, dtype):
+    u = dtype.str.replace("i", "u") if dtype.kind in "iu" else dtype
+    acc = xs[0].view(u).copy()
+    for x in xs[1:]:
+        acc = (acc * x.view(u)).astype(u)
+    return acc.view(dtype)
+
+
+def dtypes15():
+    """Every new dtype x op, exact, with wrap-around; product on every dtype; broadcast and
+    allgather of the new dtypes. Sizes cross the tests' window and bucket cap."""
+    r, n_ranks = fx.rank(), fx.size()
+    checked = 0
+    for dtype in NEW_INTS + [np.dtype(np.int32), np.dtype(np.int64)]:
+        info = np.iinfo(dtype)
+        for n in (0, 1, 1001, 300_001):
+            xs = [np.random.default_rng(100 * j + n).integers(info.min, info.max, n, endpoint=True, dtype=dtype)
+                  for j in range(n_ranks)]
+            s = _wrap_sum(xs, dtype)
+            want = {"sum": s, "product": _wrap_prod(xs, dtype), "min": np.minimum.reduce(xs),
+                    "max": np.maximum.reduce(xs),
+                    "average": np.trunc(s.astype(np.float64) * (1.0 / n_ranks)).astype(dtype)}
+            for op, w in want.items():
+                got = fx.allreduce(xs[r], op=op)
+                assert got.dtype == dtype and np.array_equal(got, w), f"{dtype} {op} n={n}: {got[:5]} vs {w[:5]}"
+                checked += 1
+    # bool: sum/max = or, min/product = and
+    for n in (0, 7, 300_001):
+        bs = [np.random.default_rng(7 * j + n).integers(0, 2, n).astype(bool) for j in range(n_ranks)]
+        for op, w in (("sum", np.logical_or.reduce(bs)), ("max", np.logical_or.reduce(bs)),
+                      ("min", np.logical_and.reduce(bs)), ("product", np.logical_and.reduce(bs))):
+            got = fx.allreduce(bs[r], op=op)
+            assert got.dtype == np.bool_ and np.array_equal(got, w), (op, n)
+            checked += 1
+    # product on the float dtypes: rank order, 16-bit in float32 rounded once
+    for dtype in (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), BF16):
+        xs = [((np.arange(1001) % 5) - 2 + 0.5 * j).astype(dtype) for j in range(n_ranks)]
+        calc = np.float64 if dtype == np.float64 else np.float32
+        acc = xs[0].astype(calc)
+        for x in xs[1:]:
+            acc = (acc * x.astype(calc)).astype(calc)
+        got = fx.allreduce(xs[r], op="product")
+        assert np.array_equal(got.astype(np.float64), acc.astype(dtype).astype(np.float64)), dtype.name
+        checked += 1
+    # broadcast and allgather move the new dtypes bit for bit
+    for dtype in NEW_INTS + [np.dtype(np.bool_)]:
+        x = (np.arange(200_003) * 7 + r).astype(dtype)
+        assert np.array_equal(fx.broadcast(x, root=n_ranks - 1), (np.arange(200_003) * 7 + n_ranks - 1).astype(dtype))
+        mine = (np.arange(3 * (r + 1)).reshape(r + 1, 3) + r).astype(dtype)
+        want = np.concatenate([(np.arange(3 * (j + 1)).reshape(j + 1, 3) + j).astype(dtype) for j in range(n_ranks)])
+        got = fx.allgather(mine)
+        assert got.dtype == dtype and np.array_equal(got, want)
+        checked += 2
+    print(f"OK dtypes15 {checked} cases on rank {r}")
+
+
+def _rows(j, k, rows, width, dtype):
+    """The rows rank j sends to rank k: values that name both, so every misplaced row shows."""
+    base = 1000 * j + 10 * k
+    return ((base + np.arange(rows * width).reshape(rows, width)) % 127).astype(dtype)
+
+
+def alltoall():
+    r, n_ranks = fx.rank(), fx.size()
+    cases = 0
+    for dtype in (np.dtype(np.float32), np.dtype(np.int64), BF16, np.dtype(np.uint8), np.dtype(np.bool_)):
+        for name, split_of in (("even", lambda j, k: 2),
+                               ("uneven", lambda j, k: (j + 2 * k) % 4),
+                               ("empty", lambda j, k: 0),
+                               ("one-way", lambda j, k: 3 if k == 0 else 0),
+                               ("large", lambda j, k: 20_000 + 1000 * j + k)):  # past the window
+            width = 3
+            splits = [split_of(r, k) for k in range(n_ranks)]
+            x = np.concatenate([_rows(r, k, splits[k], width, dtype) for k in range(n_ranks)]) \
+                if sum(splits) else np.zeros((0, width), dtype)
+            got, rs = fx.alltoall(x, splits=None if name == "even" else splits)
+            want = [_rows(j, r, split_of(j, r), width, dtype) for j in range(n_ranks)]
+            assert rs.tolist() == [split_of(j, r) for j in range(n_ranks)], (name, rs)
+            assert got.dtype == dtype and got.shape == (sum(w.shape[0] for w in want), width), (name, got.shape)
+            assert np.array_equal(got, np.concatenate(want)), (dtype, name)
+            cases += 1
+    # several dimensions, and a tensor with no rows at all on one rank
+    x = np.arange(n_ranks * 2 * 3 * 4, dtype=np.float64).reshape(n_ranks * 2, 3, 4) + 1000 * r
+    got, rs = fx.alltoall(x)
+    want = np.concatenate([np.arange(n_ranks * 24, dtype=np.float64).reshape(n_ranks * 2, 3, 4)[2 * r:2 * r + 2]
+                           + 1000 * j for j in range(n_ranks)])
+    assert np.array_equal(got, want) and rs.tolist() == [2] * n_ranks
+    # async: several in flight
+    hs = [fx.alltoall_async(np.full((n_ranks, 2), 10 * i + r, np.int32)) for i in range(5)]
+    for i, h in enumerate(hs):
+        got, _ = h.wait()
+        assert got[:, 0].tolist() == [10 * i + j for j in range(n_ranks)]
+    # bad splits: a clear error, and the group still works
+    for bad, msg in (([1] * (n_ranks + 1), "one entry per rank"), ([5] + [0] * (n_ranks - 1), "add up to"),
+                     ([-1] + [1] * (n_ranks - 1), ">= 0")):
+        try:
+            fx.alltoall(np.zeros((n_ranks - 2 if n_ranks > 2 else 1, 2)), splits=bad)
+        except ValueError as e:
+            assert msg in str(e), e
+        else:
+            raise AssertionError(f"splits {bad} accepted")
+    if n_ranks > 1:
+        try:
+            fx.alltoall(np.zeros((n_ranks + 1, 2)))
+        except ValueError as e:
+            assert "divisible" in str(e), e
+        else:
+            raise AssertionError("an uneven default split was accepted")
+    assert fx.allreduce(np.ones(2), op="sum").tolist() == [n_ranks] * 2
+    print(f"OK alltoall {cases} cases on rank {r}")
+
+
+def reducescatter():
+    r, n_ranks = fx.rank(), fx.size()
+    cases = 0
+
+    def mine_of(full, rows):
+        per = [rows // n_ranks + (j < rows % n_ranks) for j in range(n_ranks)]
+        lo = sum(per[:r])
+        return full[lo:lo + per[r]]
+
+    for dtype in (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), BF16, np.dtype(np.int32),
+                  np.dtype(np.int64), np.dtype(np.uint8), np.dtype(np.int16)):
+        for rows in (0, 1, n_ranks - 1, n_ranks, 7, 100_003):  # fewer rows than ranks, uneven, past the window
+            width = 2 if rows < 1000 else 1
+            xs = [inputs(j, rows * width, dtype, seed=rows).reshape(rows, width) for j in range(n_ranks)]
+            for op in ("sum", "average"):
+                got = fx.reducescatter(xs[r], op=op)
+                if dtype.kind in "iu":
+                    s = _wrap_sum(xs, dtype)
+                    full = s if op == "sum" else np.trunc(s.astype(np.float64) * (1 / n_ranks)).astype(dtype)
+                else:
+                    calc = np.float64 if dtype == np.float64 else np.float32
+                    s = sum(x.astype(calc) for x in xs)
+                    full = (s if op == "sum" else s * calc(1 / n_ranks)).astype(dtype)
+                want = mine_of(full, rows)
+                assert got.dtype == dtype and got.shape == want.shape, (dtype, rows, op, got.shape, want.shape)
+                assert np.array_equal(got.astype(np.float64), want.astype(np.float64)), (dtype, rows, op)
+                cases += 1
+    # grouped: every tensor split by its own first dimension
+    arrs = [np.full((5, 2), r + 1, np.float32), np.arange(3, dtype=np.int64) * (r + 1), np.ones((n_ranks, 1), bool)]
+    got = fx.grouped_reducescatter(arrs, op="sum")
+    tot = n_ranks * (n_ranks + 1) // 2
+    assert np.array_equal(got[0], mine_of(np.full((5, 2), tot, np.float32), 5))
+    assert np.array_equal(got[1], mine_of(np.arange(3, dtype=np.int64) * tot, 3))
+    assert got[2].tolist() == [[True]]
+    # pre/postscale multiply once, after the sum
+    got = fx.reducescatter(np.full((n_ranks, 1), 2.0), op="sum", prescale=0.5, postscale=3.0)
+    assert got.tolist() == [[3.0 * n_ranks]]
+    print(f"OK reducescatter {cases} cases on rank {r}")
+
+
 def info():
     print(f"INFO rank={fx.rank()} size={fx.size()} local_rank={fx.local_rank()} local_size={fx.local_size()}")
 
@@ -357,6 +540,12 @@ if __name__ == "__main__":
         shutdown_early()
     elif mode == "info":
         info()
+    elif mode == "dtypes15":
+        dtypes15()
+    elif mode == "alltoall":
+        alltoall()
+    elif mode == "reducescatter":
+        reducescatter()
     else:
         raise SystemExit(f"unknown mode {mode}")
     fx.shutdown()
