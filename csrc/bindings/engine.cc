@@ -94,6 +94,8 @@ class PyInterHost : public InterHost {
 
  private:
   static py::array view(void* p, size_t nbytes) {
+    static char empty;  // an empty buffer (an alltoall block of no rows) may come as a null pointer
+    if (p == nullptr) p = &empty;
     py::capsule keep(p, [](void*) {});  // the transport owns the memory; the view must not outlive the call
     return py::array(py::dtype("uint8"), {static_cast<py::ssize_t>(nbytes)}, {1}, static_cast<uint8_t*>(p), keep);
   }

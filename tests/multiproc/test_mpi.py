@@ -25,7 +25,7 @@ def test_two_emulated_hosts_layout():
         assert f"INFO rank={g} size=4 local_rank={l} local_size=2" in r.stdout
 
 
-@pytest.mark.parametrize("mode", ["sweep", "compressed", "collectives"])
+@pytest.mark.parametrize("mode", ["sweep", "compressed", "collectives", "dtypes15", "alltoall", "reducescatter"])
 def test_hierarchical_results_exact(mode):
     before = fastxfer_segments()
     assert_ok(mpi_launch(4, W, mode, per_host=2), 4, mode)

@@ -61,9 +61,28 @@ class MPIInterHost:
             self._ops[key] = self._MPI.Op.Create(combine, commute=True)
         return self._ops[key]
 
+    # -- 8/16-bit integer sums and products: numpy's, which wrap --------------------------------------
+    # Open MPI 5's vectorised MPI_SUM on UINT8_T saturates (200 + 100 gave 255 here), while fastxfer
+    # wraps modulo 2^bits everywhere (docs/algorithms.md); so these never use MPI's built-in op.
+    def _op_small(self, dtype: str, op: str):
+        key = (dtype, op)
+        if key not in self._ops:
+            dt = check.DTYPES[dtype]
+            f = np.multiply if op == "product" else np.add
+
+            def combine(inbuf, inoutbuf, datatype, dt=dt, f=f):
+                b = np.frombuffer(inoutbuf, dt)
+                f(np.frombuffer(inbuf, dt), b, out=b)
+
+            self._ops[key] = self._MPI.Op.Create(combine, commute=True)
+        return self._ops[key]
+
     def _reduce(self, comm, buf: np.ndarray, dtype: str, op: str) -> None:
         MPI = self._MPI
-        if dtype == "bool":
+        if dtype in ("uint8", "int8", "uint16", "int16") and op in ("sum", "average", "product"):
+            comm.Allreduce(MPI.IN_PLACE, [buf.view(check.DTYPES[dtype]), self._mpi_types[dtype]],
+                           op=self._op_small(dtype, op))
+        elif dtype == "bool":
             # MPI's logical ops on one-byte values (MPI.C_BOOL); any non-zero byte is true
             comm.Allreduce(MPI.IN_PLACE, [buf.view(np.uint8), MPI.C_BOOL], op=self._bool_ops[op])
         elif dtype in self._mpi_types:
