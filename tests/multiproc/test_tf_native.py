@@ -49,6 +49,52 @@ def test_native_ops_match_the_numpy_function_bridge_bit_for_bit(tmp_path):
     assert np.array_equal(nat[0]["eager.bcast"], ins[1]["f64"])
 
 
+def test_issue15_collectives_native_match_bridge_and_exact_values(tmp_path):
+    """New dtypes and Product, alltoall, reducescatter (grouped, compressed), their gradients,
+    eager and in tf.function: native ops == numpy_function bridge, bit for bit, and the values."""
+    nat = _run(tmp_path, "parity15", "1")
+    ref = _run(tmp_path, "parity15", "0")
+    for r in range(2):
+        _assert_bit_identical(nat[r], ref[r])
+    a, b = nat
+    x = [np.arange(12, dtype=np.float32).reshape(6, 2) + 100 * r for r in range(2)]
+    u8 = [np.arange(200, 213) * (r + 1) % 256 for r in range(2)]
+    assert a["eager.uint8.sum"].tolist() == ((u8[0] + u8[1]) % 256).tolist()  # wraps
+    assert a["eager.uint8.average"].tolist() == (((u8[0] + u8[1]) % 256) // 2).tolist()
+    assert a["eager.uint8.product"].tolist() == ((u8[0] * u8[1]) % 256).tolist()
+    assert a["eager.int8.sum"].dtype == np.int8 and a["eager.bool.sum"].dtype == bool
+    assert a["eager.bool.sum"].tolist() == ((u8[0] % 2) | (u8[1] % 2)).astype(bool).tolist()
+    assert a["eager.bool.min"].tolist() == ((u8[0] % 2) & (u8[1] % 2)).astype(bool).tolist()
+    assert a["eager.uint16.gather"].tolist() == u8[0][:3].tolist() + u8[1][:4].tolist()
+    assert a["eager.f32.product"].tolist() == [4.5, 8.0, 18.0]
+    assert np.array_equal(a["eager.a2a.even"], np.concatenate([x[0][:3], x[1][:3]]))
+    assert np.array_equal(b["eager.a2a.even"], np.concatenate([x[0][3:], x[1][3:]]))
+    assert np.array_equal(a["eager.a2a.uneven"], np.concatenate([x[0][:2], x[1][:3]]))
+    assert a["eager.a2a.uneven.splits"].tolist() == [2, 3] and b["eager.a2a.uneven.splits"].tolist() == [0, 0]
+    assert a["eager.a2a.uneven.splits"].dtype == np.int32 and b["eager.a2a.uneven"].shape == (0, 2)
+    assert a["eager.a2a.empty"].shape == (0, 2) and a["eager.a2a.empty.splits"].tolist() == [0, 0]
+    full = np.arange(10, dtype=np.float64).reshape(5, 2) * 3
+    assert np.array_equal(a["eager.rs.sum"], full[:3]) and np.array_equal(b["eager.rs.sum"], full[3:])
+    # int32 average as Horovod: (7*1 + 7*2) / 2 = 10.5 -> 10, (-3 + -6) / 2 = -4.5 -> -4
+    assert a["eager.rs.avg.i32"].tolist() == [[10], [-4]] and b["eager.rs.avg.i32"].tolist() == [[1]]
+    assert a["eager.grs.0"].tolist() == [[3, 3], [3, 3]] and b["eager.grs.1"].tolist() == [2, 2]
+    # gradient: alltoall back (2*o to its senders) + reducescatter(Average)'s allgather of 2*y*2
+    for r, res in enumerate(nat):
+        xs = x
+        o_of = {0: np.concatenate([xs[0][:1], xs[1][:1]]), 1: np.concatenate([xs[0][1:], xs[1][1:]])}
+        back = np.concatenate([2 * o_of[0][r:r + 1], 2 * o_of[1][5 * r:5 * r + 5]])
+        y = (2 * xs[0] + 2 * xs[1]) / 2
+        want = back + 2 * np.concatenate([2 * y[:3], 2 * y[3:]])
+        assert np.allclose(res["eager.grad"], want), (r, res["eager.grad"], want)
+    for step in range(2):
+        assert a[f"graph.{step}.1"].tolist() == [1, 2] and b[f"graph.{step}.1"].tolist() == [5, 4]
+        assert a[f"graph.{step}.5"].tolist() == [0, 4, 9] and a[f"graph.{step}.6"].tolist() == [True, True, True]
+        assert np.array_equal(a[f"graph.{step}.3"], (2 * x[0] + 2 * x[1])[:3])
+        _assert_bit_identical({k: v for k, v in a.items() if k.startswith(f"graph.{step}.")},
+                              {k.replace("graph.0.", f"graph.{step}."): v for k, v in a.items()
+                               if k.startswith("graph.0.")})
+
+
 @pytest.mark.skipif(importlib.util.find_spec("tf_keras") is None, reason="tf-keras not installed")
 def test_tf_keras_native_matches_bridge(tmp_path):
     legacy = {"TF_USE_LEGACY_KERAS": "1"}
@@ -95,4 +141,5 @@ def test_op_library_loads_in_a_fresh_process():
             "print(sorted(x for x in dir(lib) if x.startswith('fastxfer') and not x.endswith('_fallback')))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=None)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "['fastxfer_submit', 'fastxfer_wait', 'fastxfer_wait_gather']" in r.stdout
+    assert ("['fastxfer_submit', 'fastxfer_submit_splits', 'fastxfer_wait', 'fastxfer_wait_alltoall', "
+            "'fastxfer_wait_gather']") in r.stdout

@@ -73,6 +73,62 @@ def programs(out):
     _save(out, r, got)
 
 
+def parity15(out):
+    """Issue 15 through TensorFlow (eager and tf.function): the new dtypes and Product on
+    allreduce/broadcast/allgather, alltoall (default, uneven and empty splits; its gradient),
+    reducescatter and grouped_reducescatter (uneven rows; gradients; fp16 compression). Results
+    go to OUT.<rank>.npz; the test checks exact values and native == bridge bit for bit."""
+    from fastxfer.tensorflow import ops
+
+    r, n = hvd.rank(), hvd.size()
+    got = {}
+    for dt in (tf.uint8, tf.int8, tf.uint16, tf.int16, tf.bool):
+        x = tf.constant(np.arange(200, 213) * (r + 1) % 256 % (2 if dt == tf.bool else 256)).numpy()
+        t = tf.cast(tf.constant(x), dt)
+        for op in ("sum", "min", "max", "product") + (("average",) if dt != tf.bool else ()):
+            got[f"eager.{dt.name}.{op}"] = hvd.allreduce(t, op=op, name=f"e15.{dt.name}.{op}").numpy()
+        got[f"eager.{dt.name}.bcast"] = hvd.broadcast(t, root_rank=1).numpy()
+        got[f"eager.{dt.name}.gather"] = hvd.allgather(t[: 3 + r]).numpy()
+    got["eager.f32.product"] = hvd.allreduce(tf.constant([1.5, -2.0, 3.0]) * (r + 1), op=ops.Product).numpy()
+    x = tf.constant(np.arange(12, dtype=np.float32).reshape(6, 2) + 100 * r)
+    got["eager.a2a.even"] = ops.alltoall(x).numpy()
+    o, rs = ops.alltoall(x[: 2 + r], splits=[2 + r, 0])
+    got["eager.a2a.uneven"], got["eager.a2a.uneven.splits"] = o.numpy(), rs.numpy()
+    o, rs = ops.alltoall(tf.zeros((0, 2), tf.int32), splits=[0, 0])
+    got["eager.a2a.empty"], got["eager.a2a.empty.splits"] = o.numpy(), rs.numpy()
+    got["eager.rs.sum"] = ops.reducescatter(tf.constant(np.arange(10, dtype=np.float64).reshape(5, 2)) * (r + 1),
+                                            op=ops.Sum).numpy()
+    got["eager.rs.avg.i32"] = ops.reducescatter(tf.constant([[7], [-3], [1]], tf.int32) * (r + 1)).numpy()
+    got["eager.rs.fp16"] = ops.reducescatter(tf.constant([[0.1, 0.2]] * 3) * (r + 1), compression="fp16").numpy()
+    g = ops.grouped_reducescatter([tf.ones((3, 2)) * (r + 1), tf.ones((4,), tf.int64)], op=ops.Sum)
+    got["eager.grs.0"], got["eager.grs.1"] = g[0].numpy(), g[1].numpy()
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        o, _ = ops.alltoall(x, splits=[1, 5])
+        y = ops.reducescatter(x * 2.0, op=ops.Average)
+        loss = tf.reduce_sum(o * o) + tf.reduce_sum(y * y)
+    got["eager.grad"] = tape.gradient(loss, x).numpy()
+
+    @tf.function
+    def graph(a, b):
+        with tf.GradientTape() as tape:
+            tape.watch(a)
+            o, rs = ops.alltoall(a, splits=[1 + r, 5 - r], name="g.a2a")
+            d = ops.alltoall(a, name="g.a2a.even")
+            y = ops.reducescatter(a * 2.0, op=ops.Sum, name="g.rs")
+            loss = tf.reduce_sum(o * o) + tf.reduce_sum(y) + tf.reduce_sum(d)
+        gr = tape.gradient(loss, a)
+        p = hvd.allreduce(b, op="product", name="g.prod")
+        bo = hvd.allreduce(tf.cast(b, tf.bool), op="sum", name="g.bool")
+        gs = ops.grouped_reducescatter([a, tf.cast(b, tf.float16)], op=ops.Average)
+        return [o, rs, d, y, gr, p, bo] + gs
+
+    for step in range(2):
+        for i, v in enumerate(graph(x, tf.constant([r, 2, 3], tf.uint8))):
+            got[f"graph.{step}.{i}"] = v.numpy()
+    _save(out, r, got)
+
+
 def legacy(out):
     """tf-keras (TF_USE_LEGACY_KERAS=1): DistributedOptimizer with fp16 compression, a few steps."""
     r = hvd.rank()
@@ -151,6 +207,8 @@ if __name__ == "__main__":
     what = sys.argv[1]
     if what == "programs":
         programs(sys.argv[2])
+    elif what == "parity15":
+        parity15(sys.argv[2])
     elif what == "legacy":
         legacy(sys.argv[2])
     elif what == "forwarding":
