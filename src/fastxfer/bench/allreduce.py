@@ -8,6 +8,14 @@ fastxfer rows: ``none``/``bf16``/``fp16`` (float32 arrays, that compression, int
 ``out=``), ``none fresh`` (a new result array per call, dropped before the next: a training
 loop), ``bf16 array`` / ``bf16 array fresh`` (ml_dtypes.bfloat16 arrays reduced as they are).
 
+The other collectives (issue 15; ``--collectives``, default all four) get rows of their own:
+``<impl> alltoall`` (equal splits), ``<impl> reducescatter`` (sum) and ``<impl> allgather`` for
+fastxfer, torch gloo (``all_to_all_single``, ``reduce_scatter_tensor``, ``all_gather_into_tensor``:
+a row the backend lacks is left out) and mpi4py (``Alltoall``, ``Reduce_scatter_block``,
+``Allgather``); ``bytes`` is each rank's input (a multiple of the rank count in elements), and
+busbw = algbw*(n-1)/n for alltoall and reducescatter, algbw*(n-1) for allgather (it receives
+(n-1) inputs), as nccl-tests counts them.
+
 Inputs are small integers, so every float32 sum is exact and ``#wrong`` counts elements that
 differ from the known result (bf16/fp16 carry small integers exactly too). algbw = bytes / time,
 busbw = algbw * 2(n-1)/n, in GB/s (1e9 B); time is the median (p50) over iterations, each
@@ -30,7 +38,7 @@ import numpy as np
 from fastxfer.bench.harness import (GB, free_port, launcher_command, machine_info, markdown_table, print_markdown,
                                     print_table, print_targets, pyplot, read_results, save_plot, status, target,
                                     worker_command, write_json)
-from fastxfer.bench.workers.allreduce_worker import deepspeed_segments
+from fastxfer.bench.workers.allreduce_worker import COLLECTIVES, deepspeed_segments
 
 
 def _sizes(b: int, e: int, f: int) -> list[int]:
@@ -41,10 +49,11 @@ def _sizes(b: int, e: int, f: int) -> list[int]:
     return out
 
 
-def _launch(impl: str, np_: int, sizes: list[int], scale: float, tmp: str) -> tuple[list[dict], str | None]:
+def _launch(impl: str, np_: int, sizes: list[int], scale: float, tmp: str,
+            collectives: tuple[str, ...] = COLLECTIVES) -> tuple[list[dict], str | None]:
     out = os.path.join(tmp, impl)
     worker = worker_command("allreduce_worker", "--impl", impl, "--sizes", ",".join(map(str, sizes)),
-                            "--iters-scale", str(scale), "--out", out)
+                            "--iters-scale", str(scale), "--out", out, "--collectives", ",".join(collectives))
     env = dict(os.environ)
     if impl == "mpi4py":
         mpirun = shutil.which("mpirun")
@@ -120,8 +129,13 @@ def _missing(impl: str) -> str | None:
     return None
 
 
+# busbw / algbw per collective (nccl-tests' conventions, bytes = each rank's input)
+def _bus_factor(collective: str, n: int) -> float:
+    return {"allreduce": 2 * (n - 1) / n, "allgather": float(n - 1)}.get(collective, (n - 1) / n)
+
+
 def run(np_: int = 2, b: int = 1 << 10, e: int = 64 << 20, f: int = 4, scale: float = 1.0,
-        peers: tuple[str, ...] = PEERS) -> dict:
+        peers: tuple[str, ...] = PEERS, collectives: tuple[str, ...] = COLLECTIVES) -> dict:
     sizes = _sizes(b, e, f)
     rows: list[dict] = []
     skipped: dict[str, str] = {}
@@ -134,14 +148,14 @@ def run(np_: int = 2, b: int = 1 << 10, e: int = 64 << 20, f: int = 4, scale: fl
             if impl == "deepspeed":
                 status("deepspeed: the first run JIT-builds its shm extension with ninja (a minute or two)")
             status(f"{impl}: {np_} ranks, {len(sizes)} sizes {sizes[0]}..{sizes[-1]} bytes")
-            got, err = _launch(impl, np_, sizes, scale, tmp)
+            got, err = _launch(impl, np_, sizes, scale, tmp, collectives)
             if err:
                 skipped[impl] = err
                 status(f"{impl}: {err}")
             rows.extend(got)
     for r in rows:
         r["algbw"] = r["bytes"] / r["p50"] / GB
-        r["busbw"] = r["algbw"] * 2 * (np_ - 1) / np_
+        r["busbw"] = r["algbw"] * _bus_factor(r.get("collective", "allreduce"), np_)
     return {"machine": machine_info(), "ranks": np_, "rows": rows, "skipped": skipped,
             "targets": _targets(rows, e), "model": cost_model(rows, np_)}
 
@@ -322,6 +336,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-f", "--stepfactor", type=int, default=4, help="size multiplier between steps (default 4)")
     p.add_argument("--iters-scale", type=float, default=1.0, help="scale the iteration counts")
     p.add_argument("--peers", default=",".join(PEERS), help=f"implementations to run (default {','.join(PEERS)})")
+    p.add_argument("--collectives", default=",".join(COLLECTIVES),
+                   help=f"collectives to measure (default {','.join(COLLECTIVES)})")
     p.add_argument("--json", metavar="PATH", help="write results as JSON (- for stdout)")
     p.add_argument("--plot", metavar="PNG", help="busbw vs size, and the cost model")
     p.add_argument("--markdown", action="store_true", help="also print markdown tables (for bench/RESULTS.md)")
@@ -330,8 +346,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.np < 1 or args.stepfactor < 2:
         raise SystemExit("-np must be >= 1 and -f >= 2")
+    bad = [c for c in args.collectives.split(",") if c.strip() and c.strip() not in COLLECTIVES]
+    if bad:
+        raise SystemExit(f"unknown collective(s) {', '.join(bad)}: expected some of {', '.join(COLLECTIVES)}")
     res = run(args.np, _parse_size(args.minbytes), _parse_size(args.maxbytes), args.stepfactor, args.iters_scale,
-              tuple(p.strip() for p in args.peers.split(",") if p.strip()))
+              tuple(p.strip() for p in args.peers.split(",") if p.strip()),
+              tuple(c.strip() for c in args.collectives.split(",") if c.strip()))
     if args.json:
         write_json(args.json, res)
     if args.json != "-":

@@ -46,8 +46,35 @@ def expected(size: int, n: int, dtype=F32) -> np.ndarray:
     return (size * (np.arange(n) % 13) + size * (size - 1) / 2).astype(dtype)
 
 
+# The other collectives (issue 15), on the same inputs: each rank's `pattern(rank, n)` with n a
+# multiple of size. What each returns on `rank`:
+def want_alltoall(rank, size, n, dtype=F32):
+    k = n // size
+    return np.concatenate([pattern(j, n, dtype)[rank * k:(rank + 1) * k] for j in range(size)])
+
+
+def want_reducescatter(rank, size, n, dtype=F32):
+    k = n // size
+    return expected(size, n, dtype)[rank * k:(rank + 1) * k]
+
+
+def want_allgather(rank, size, n, dtype=F32):
+    return np.concatenate([pattern(j, n, dtype) for j in range(size)])
+
+
+WANT = {"alltoall": want_alltoall, "reducescatter": want_reducescatter, "allgather": want_allgather}
+COLLECTIVES = ("allreduce", "alltoall", "reducescatter", "allgather")
+
+
+def collective_of(label: str) -> str:
+    """The collective a row label measures (rows without one of the names are allreduce)."""
+    return next((c for c in WANT if label.endswith(" " + c)), "allreduce")
+
+
 def time_sweep(rank, size, sizes, scale, barrier, ops, dtypes=None) -> list[dict]:
     """ops: {label: op(x, out)}, run on arrays of dtypes.get(label, float32) of each size in bytes.
+    A label ending in " alltoall", " reducescatter" or " allgather" measures that collective (the
+    input rounded down to a multiple of size elements, checked against WANT); others allreduce.
     op returns the result (or None: the result is in out), and whatever it returns is dropped before
     the next call, as a training loop drops last step's gradients. Each label runs all its iterations
     at a size before the next label starts (as nccl-tests does: interleaving would let one variant's
@@ -55,14 +82,19 @@ def time_sweep(rank, size, sizes, scale, barrier, ops, dtypes=None) -> list[dict
     results = []
     for label, op in ops.items():
         dtype = np.dtype((dtypes or {}).get(label, F32))
+        coll = collective_of(label)
         for nbytes in sizes:
             n = nbytes // dtype.itemsize
+            if coll != "allreduce":
+                n = n // size * size
             x = pattern(rank, n, dtype)
-            out = np.empty_like(x)
+            out = np.empty_like(x) if coll == "allreduce" else np.empty_like(WANT[coll](rank, size, n, dtype))
             res = op(x, out)
             got = res if res is not None else out
+            want = expected(size, n, dtype) if coll == "allreduce" else WANT[coll](rank, size, n, dtype)
             # compared as float64: the same for every dtype, and a bf16 array compares exactly
-            wrong = int(np.count_nonzero(got.astype(np.float64) != expected(size, n, dtype).astype(np.float64)))
+            wrong = int(np.count_nonzero(got.astype(np.float64) != want.astype(np.float64))) \
+                if got.shape == want.shape else max(got.size, want.size)
             del res, got
             times = []
             for _ in range(iterations(nbytes, scale)):
@@ -70,8 +102,9 @@ def time_sweep(rank, size, sizes, scale, barrier, ops, dtypes=None) -> list[dict
                 t0 = time.perf_counter()
                 op(x, out)
                 times.append(time.perf_counter() - t0)
-            results.append({"impl": label, "bytes": nbytes, "dtype": dtype.name, "p50": statistics.median(times),
-                            "wrong": wrong, "iters": len(times)})
+            results.append({"impl": label, "bytes": n * dtype.itemsize, "dtype": dtype.name,
+                            "p50": statistics.median(times), "wrong": wrong, "iters": len(times),
+                            "collective": coll})
     return results
 
 
@@ -123,7 +156,26 @@ def run_deepspeed(sizes: list[int], scale: float) -> tuple[int, int, list[dict] 
     return rank, size, results, None
 
 
-def run(impl: str, sizes: list[int], scale: float, out: str) -> None:
+def _supported(ops: dict, collectives, size: int) -> dict:
+    """The ops of the wanted collectives that this peer actually runs (a peer that lacks one, as
+    some torch backends lack reduce_scatter, loses that row instead of the whole run)."""
+    keep = {}
+    for label, op in ops.items():
+        coll = collective_of(label)
+        if coll not in collectives:
+            continue
+        x = pattern(0, 4 * size)
+        o = np.empty_like(x if coll in ("allreduce",) else WANT[coll](0, size, 4 * size))
+        try:
+            op(x, o)
+        except Exception as e:  # noqa: BLE001 - the backend says it does not have this collective
+            print(f"skipping {label}: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+            continue
+        keep[label] = op
+    return keep
+
+
+def run(impl: str, sizes: list[int], scale: float, out: str, collectives=COLLECTIVES) -> None:
     if impl == "fastxfer":
         import fastxfer as fx
 
@@ -135,6 +187,14 @@ def run(impl: str, sizes: list[int], scale: float, out: str) -> None:
         ops["fastxfer none fresh"] = lambda x, o: fx.allreduce(x, op="sum")
         ops["fastxfer bf16 array"] = lambda x, o: fx.allreduce(x, op="sum", out=o)
         ops["fastxfer bf16 array fresh"] = lambda x, o: fx.allreduce(x, op="sum")
+        if "alltoall" in collectives:
+            ops["fastxfer alltoall"] = lambda x, o: fx.alltoall(x)[0]
+        if "reducescatter" in collectives:
+            ops["fastxfer reducescatter"] = lambda x, o: fx.reducescatter(x, op="sum")
+        if "allgather" in collectives:
+            ops["fastxfer allgather"] = lambda x, o: fx.allgather(x)
+        if "allreduce" not in collectives:
+            ops = {k: v for k, v in ops.items() if collective_of(k) != "allreduce"}
         results = time_sweep(rank, size, sizes, scale, fx.barrier, ops,
                              {"fastxfer bf16 array": BF16, "fastxfer bf16 array fresh": BF16})
         stats = fx.engine_stats()
@@ -151,7 +211,18 @@ def run(impl: str, sizes: list[int], scale: float, out: str) -> None:
             t = torch.from_numpy(o)
             np.copyto(o, x)  # gloo reduces in place; copy the input in, as an out-of-place call would
             dist.all_reduce(t)
-        results = time_sweep(rank, size, sizes, scale, dist.barrier, {"torch gloo": op})
+
+        def a2a(x, o):
+            dist.all_to_all_single(torch.from_numpy(o), torch.from_numpy(x))
+
+        def rs(x, o):
+            dist.reduce_scatter_tensor(torch.from_numpy(o), torch.from_numpy(x))
+
+        def ag(x, o):
+            dist.all_gather_into_tensor(torch.from_numpy(o), torch.from_numpy(x))
+        ops = {"torch gloo": op, "torch gloo alltoall": a2a, "torch gloo reducescatter": rs,
+               "torch gloo allgather": ag}
+        results = time_sweep(rank, size, sizes, scale, dist.barrier, _supported(ops, collectives, size))
         dist.destroy_process_group()
         stats = {}
     elif impl == "mpi4py":
@@ -159,8 +230,11 @@ def run(impl: str, sizes: list[int], scale: float, out: str) -> None:
 
         comm = MPI.COMM_WORLD
         rank, size = comm.Get_rank(), comm.Get_size()
-        results = time_sweep(rank, size, sizes, scale, comm.Barrier,
-                             {"mpi4py Allreduce": lambda x, o: comm.Allreduce(x, o, op=MPI.SUM)})
+        ops = {"mpi4py Allreduce": lambda x, o: comm.Allreduce(x, o, op=MPI.SUM),
+               "mpi4py alltoall": lambda x, o: comm.Alltoall(x, o),
+               "mpi4py reducescatter": lambda x, o: comm.Reduce_scatter_block(x, o, op=MPI.SUM),
+               "mpi4py allgather": lambda x, o: comm.Allgather(x, o)}
+        results = time_sweep(rank, size, sizes, scale, comm.Barrier, _supported(ops, collectives, size))
         stats = {}
     elif impl == "deepspeed":
         rank, size, results, skip = run_deepspeed(sizes, scale)
@@ -185,8 +259,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sizes", required=True, help="comma-separated message sizes in bytes")
     ap.add_argument("--iters-scale", type=float, default=1.0)
     ap.add_argument("--out", required=True, help="results go to OUT.<rank>")
+    ap.add_argument("--collectives", default=",".join(COLLECTIVES))
     a = ap.parse_args(argv)
-    run(a.impl, [int(s) for s in a.sizes.split(",")], a.iters_scale, a.out)
+    run(a.impl, [int(s) for s in a.sizes.split(",")], a.iters_scale, a.out,
+        tuple(c for c in a.collectives.split(",") if c))
 
 
 if __name__ == "__main__":
