@@ -145,6 +145,27 @@ static void test_reduce_block() {
   std::vector<int32_t> iout(2);
   reduce_block(ReduceOp::kSum, DType::kInt32, isrcs, 2, iout.data(), 2, 1.0);
   CHECK(iout[0] == -2147483647 - 1 && iout[1] == 0, "int32 sum wraps like numpy");
+  // issue 15: 8/16-bit integers wrap (sum and product), averages truncate toward zero, bool or/and
+  std::vector<uint8_t> u1 = {200, 16, 3}, u2 = {100, 16, 4}, uout(3);
+  const void* usrcs[] = {u1.data(), u2.data()};
+  reduce_block(ReduceOp::kSum, DType::kUInt8, usrcs, 2, uout.data(), 3, 1.0);
+  CHECK(uout[0] == 44 && uout[1] == 32 && uout[2] == 7, "uint8 sum wraps");
+  reduce_block(ReduceOp::kProduct, DType::kUInt8, usrcs, 2, uout.data(), 3, 1.0);
+  CHECK(uout[0] == 32 && uout[1] == 0 && uout[2] == 12, "uint8 product wraps");
+  std::vector<uint16_t> w1 = {65535}, w2 = {65535}, wout(1);
+  const void* wsrcs[] = {w1.data(), w2.data()};
+  reduce_block(ReduceOp::kProduct, DType::kUInt16, wsrcs, 2, wout.data(), 1, 1.0);
+  CHECK(wout[0] == 1, "uint16 product wraps without int promotion overflow");
+  std::vector<int16_t> s1 = {-3, 7}, s2 = {0, 14}, sout(2);
+  const void* ssrcs[] = {s1.data(), s2.data()};
+  reduce_block(ReduceOp::kAverage, DType::kInt16, ssrcs, 2, sout.data(), 2, 0.5);
+  CHECK(sout[0] == -1 && sout[1] == 10, "int16 average truncates toward zero");
+  std::vector<uint8_t> b1 = {0, 0, 1, 1}, b2 = {0, 7, 0, 1}, bout(4);
+  const void* bsrcs[] = {b1.data(), b2.data()};
+  reduce_block(ReduceOp::kSum, DType::kBool, bsrcs, 2, bout.data(), 4, 1.0);
+  CHECK(bout[0] == 0 && bout[1] == 1 && bout[2] == 1 && bout[3] == 1, "bool sum is or");
+  reduce_block(ReduceOp::kMin, DType::kBool, bsrcs, 2, bout.data(), 4, 1.0);
+  CHECK(bout[0] == 0 && bout[1] == 0 && bout[2] == 0 && bout[3] == 1, "bool min is and");
 }
 
 // The 16-bit reduce kernels (sum2_wire, min/max_accumulate) and reduce_block(_direct) on bf16/fp16
