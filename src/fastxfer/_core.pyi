@@ -178,10 +178,12 @@ class Engine:
         """Whether the engine thread is still serving requests."""
     def submit(self, kind: str, name: str, input: np.ndarray | None, output: np.ndarray | None, op: str = "sum",
                compression: str = "none", root: int = 0, prescale: float = 1.0, postscale: float = 1.0,
-               bucket_cap: int = 0, defer: bool = False) -> int:
-        """Queue a collective ('allreduce', 'broadcast', 'allgather', 'barrier'); returns its request id.
-        The buffers must stay alive and unchanged until release(). ``defer``: do not wake the engine
-        thread; the caller waits at once and runs the round itself."""
+               bucket_cap: int = 0, defer: bool = False, splits: list[int] = ...) -> int:
+        """Queue a collective ('allreduce', 'broadcast', 'allgather', 'alltoall', 'reducescatter',
+        'barrier'); returns its request id. The buffers must stay alive and unchanged until release().
+        ``defer``: do not wake the engine thread; the caller waits at once and runs the round itself.
+        ``splits``: alltoall's rows per destination rank (empty: an equal split); ValueError when
+        they do not fit the tensor."""
     def wait(self, id: int) -> None:
         """Block (without the GIL) until the request finishes; raises its error."""
     def done(self, id: int) -> bool:
@@ -195,8 +197,9 @@ class Engine:
         """Forget a finished request (its buffers are no longer touched)."""
     def take_finished(self) -> list[int]:
         """Ids of requests finished since the last call."""
-    def take_gathered(self, id: int) -> tuple[np.ndarray, int]:
-        """An allgather's result: (raw uint8 bytes, total rows along axis 0)."""
+    def take_gathered(self, id: int) -> tuple[np.ndarray, int, list[int]]:
+        """An allgather's, alltoall's or reducescatter's result: (raw uint8 bytes, rows along axis 0,
+        an alltoall's rows received from each rank, else [])."""
     def oob_allreduce(self, input: np.ndarray, output: np.ndarray, name: str, op: str, postscale: float) -> None:
         """Reduce a small array on the out-of-band lane, on the calling thread (GIL released)."""
     def stats(self) -> CommStats:
