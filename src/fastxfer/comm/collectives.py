@@ -5,6 +5,7 @@ given) and shapes are checked, and a disagreement raises MismatchError on every 
 from __future__ import annotations
 
 import itertools
+import math
 import pickle
 import threading
 
@@ -141,7 +142,9 @@ def allreduce_settings(dtype, op, compression, prescale, postscale, bucket_cap_m
     op = check.op(op)
     compression = check.compression(compression, dtype)
     for what, v in (("prescale", prescale), ("postscale", postscale)):
-        if not np.isfinite(v):
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+            raise TypeError(f"{what} must be a number, not {type(v).__name__}")
+        if not math.isfinite(v):
             raise ValueError(f"{what} must be a finite number, not {v!r}")
     if dtype.kind == "i":
         if op == "average":
