@@ -41,7 +41,8 @@ def _sizes(b: int, e: int, f: int) -> list[int]:
     return out
 
 
-def _launch(impl: str, np_: int, sizes: list[int], scale: float, tmp: str) -> tuple[list[dict], str | None]:
+def _launch(impl: str, np_: int, sizes: list[int], scale: float, tmp: str,
+            bind: str = "none") -> tuple[list[dict], str | None]:
     out = os.path.join(tmp, impl)
     worker = worker_command("allreduce_worker", "--impl", impl, "--sizes", ",".join(map(str, sizes)),
                             "--iters-scale", str(scale), "--out", out)
@@ -54,7 +55,7 @@ def _launch(impl: str, np_: int, sizes: list[int], scale: float, tmp: str) -> tu
         cmd = [mpirun, "-np", str(np_), "--bind-to", "none"] + worker
     else:
         env["BENCH_PORT"] = str(free_port())
-        cmd = launcher_command(np_) + worker
+        cmd = launcher_command(np_, *(["--bind", bind] if impl == "fastxfer" and bind != "none" else [])) + worker
     if impl == "deepspeed":
         # one OpenMP thread per rank, as fastxfer's engine runs one thread per rank: with N ranks
         # on N cores more threads only oversubscribe (DeepSpeed's kernels are `omp parallel for`)
@@ -121,7 +122,7 @@ def _missing(impl: str) -> str | None:
 
 
 def run(np_: int = 2, b: int = 1 << 10, e: int = 64 << 20, f: int = 4, scale: float = 1.0,
-        peers: tuple[str, ...] = PEERS) -> dict:
+        peers: tuple[str, ...] = PEERS, bind: str = "none") -> dict:
     sizes = _sizes(b, e, f)
     rows: list[dict] = []
     skipped: dict[str, str] = {}
@@ -134,7 +135,7 @@ def run(np_: int = 2, b: int = 1 << 10, e: int = 64 << 20, f: int = 4, scale: fl
             if impl == "deepspeed":
                 status("deepspeed: the first run JIT-builds its shm extension with ninja (a minute or two)")
             status(f"{impl}: {np_} ranks, {len(sizes)} sizes {sizes[0]}..{sizes[-1]} bytes")
-            got, err = _launch(impl, np_, sizes, scale, tmp)
+            got, err = _launch(impl, np_, sizes, scale, tmp, bind)
             if err:
                 skipped[impl] = err
                 status(f"{impl}: {err}")
@@ -322,6 +323,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-f", "--stepfactor", type=int, default=4, help="size multiplier between steps (default 4)")
     p.add_argument("--iters-scale", type=float, default=1.0, help="scale the iteration counts")
     p.add_argument("--peers", default=",".join(PEERS), help=f"implementations to run (default {','.join(PEERS)})")
+    p.add_argument("--bind", choices=["none", "socket", "numa"], default="none",
+                   help="start the fastxfer ranks with `fastxfer run --bind` (DeepSpeed's ranks are always pinned "
+                        "one per core, its best setting; --bind numa gives fastxfer the same); default none")
     p.add_argument("--json", metavar="PATH", help="write results as JSON (- for stdout)")
     p.add_argument("--plot", metavar="PNG", help="busbw vs size, and the cost model")
     p.add_argument("--markdown", action="store_true", help="also print markdown tables (for bench/RESULTS.md)")
@@ -331,7 +335,7 @@ def main(args: argparse.Namespace) -> int:
     if args.np < 1 or args.stepfactor < 2:
         raise SystemExit("-np must be >= 1 and -f >= 2")
     res = run(args.np, _parse_size(args.minbytes), _parse_size(args.maxbytes), args.stepfactor, args.iters_scale,
-              tuple(p.strip() for p in args.peers.split(",") if p.strip()))
+              tuple(p.strip() for p in args.peers.split(",") if p.strip()), args.bind)
     if args.json:
         write_json(args.json, res)
     if args.json != "-":
