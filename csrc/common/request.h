@@ -11,7 +11,7 @@
 
 namespace fastxfer {
 
-enum class CollectiveKind : int32_t { kAllreduce = 0, kBroadcast, kAllgather, kBarrier, kShutdown };
+enum class CollectiveKind : int32_t { kAllreduce = 0, kBroadcast, kAllgather, kBarrier, kShutdown, kJoin };
 enum class ReduceOp : int32_t { kSum = 0, kAverage, kMin, kMax };
 
 const char* kind_name(CollectiveKind k);

@@ -12,8 +12,8 @@ background engine that reduces over shared memory.
 
 from fastxfer import _core
 from fastxfer.comm import (Handle, allgather, allreduce, allreduce_async, barrier, broadcast, broadcast_object,
-                           engine_stats, init, is_initialized, local_rank, local_size, oob_allreduce, rank, shutdown,
-                           size)
+                           engine_stats, init, is_initialized, join, local_rank, local_size, oob_allreduce, rank,
+                           shutdown, size)
 from fastxfer.compression import compress, decompress
 from fastxfer.errors import FastxferError, MismatchError, PeerFailureError
 
@@ -46,6 +46,7 @@ __all__ = [
     "engine_stats",
     "init",
     "is_initialized",
+    "join",
     "local_rank",
     "local_size",
     "oob_allreduce",

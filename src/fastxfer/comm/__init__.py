@@ -2,7 +2,7 @@
 between hosts. ``group`` knows nothing of the collectives; the collectives build on ``group``."""
 
 from fastxfer.comm.collectives import (Handle, allgather, allreduce, allreduce_async, barrier, broadcast,
-                                       broadcast_object, oob_allreduce)
+                                       broadcast_object, join, oob_allreduce)
 from fastxfer.comm.group import (Layout, engine_stats, hosts, init, is_initialized, layout, local_rank, local_size,
                                  rank, shutdown, size)
 
@@ -19,6 +19,7 @@ __all__ = [
     "hosts",
     "init",
     "is_initialized",
+    "join",
     "layout",
     "local_rank",
     "local_size",

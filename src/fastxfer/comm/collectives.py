@@ -74,6 +74,8 @@ class Handle:
             if self._kind == "allgather":
                 raw, rows = self._eng.take_gathered(self._id)
                 self._out = raw.view(self._dtype).reshape((rows,) + tuple(self._shape[1:]))
+            elif self._kind == "join":
+                self._out = self._eng.joined_last(self._id)
         finally:
             self._eng.release(self._id)
             with _lock:
@@ -207,6 +209,19 @@ def barrier() -> None:
     _submit("barrier", "barrier", None, None, sync=True).wait()
 
 
+def join() -> int:
+    """This rank has no more data (Horovod's ``join``): until every rank has joined, it takes part
+    in the allreduces the others still run, contributing the op's neutral element (0 for sum and
+    average -- an average still divides by size() --, +inf/-inf or the integer limits for min/max)
+    and discarding the results. Other collectives while some ranks have joined are a
+    MismatchError. Returns the rank that joined last, on every rank. One host only."""
+    eng, layout = group._current()
+    if layout.hosts > 1:
+        raise NotImplementedError("join() runs on one host for now (a job over several hosts would need the "
+                                  "inter-host stage to stand in too)")
+    return int(_submit("join", "join", None, None, sync=True).wait())
+
+
 def broadcast_object(obj, root: int = 0):
     """Broadcast a picklable Python object from ``root`` (small objects: options, epoch numbers)."""
     me = group.rank()
@@ -219,4 +234,4 @@ def broadcast_object(obj, root: int = 0):
 
 
 __all__ = ["Handle", "allgather", "allreduce", "allreduce_async", "allreduce_settings", "barrier", "broadcast", "broadcast_object",
-           "oob_allreduce"]
+           "join", "oob_allreduce"]
