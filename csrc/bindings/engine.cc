@@ -19,7 +19,8 @@ namespace {
 
 CollectiveKind kind_from_name(const std::string& k) {
   for (auto c : {CollectiveKind::kAllreduce, CollectiveKind::kBroadcast, CollectiveKind::kAllgather,
-                 CollectiveKind::kBarrier, CollectiveKind::kAlltoall, CollectiveKind::kReducescatter})
+                 CollectiveKind::kBarrier, CollectiveKind::kJoin, CollectiveKind::kAlltoall,
+                 CollectiveKind::kReducescatter})
     if (k == kind_name(c)) return c;
   throw py::value_error("unknown collective '" + k + "'");
 }
@@ -194,6 +195,7 @@ void bind_engine(py::module_& m) {
       .def("release", &Engine::release, py::arg("id"))
       .def("detach", &Engine::detach, py::arg("id"), "Forget request `id` once it finishes (its handle was dropped).")
       .def("take_finished", &Engine::take_finished)
+      .def("joined_last", &Engine::joined_last, py::arg("id"), "A finished join's result: the rank that joined last.")
       .def(
           "take_gathered",
           [](Engine& eng, uint64_t id) {

@@ -50,6 +50,7 @@ const char* kind_name(CollectiveKind k) {
     case CollectiveKind::kAllgather: return "allgather";
     case CollectiveKind::kBarrier: return "barrier";
     case CollectiveKind::kShutdown: return "shutdown";
+    case CollectiveKind::kJoin: return "join";
     case CollectiveKind::kAlltoall: return "alltoall";
     case CollectiveKind::kReducescatter: return "reducescatter";
   }
@@ -104,7 +105,8 @@ std::string describe(const Record& r) {
   auto kind = static_cast<CollectiveKind>(r.kind);
   std::ostringstream s;
   s << kind_name(kind);
-  if (kind == CollectiveKind::kBarrier || kind == CollectiveKind::kShutdown) return s.str();
+  if (kind == CollectiveKind::kBarrier || kind == CollectiveKind::kShutdown || kind == CollectiveKind::kJoin)
+    return s.str();
   s << " '" << r.name << "' " << dtype_name(static_cast<DType>(r.dtype)) << shape_str(r);
   if (kind == CollectiveKind::kAllreduce || kind == CollectiveKind::kReducescatter) {
     s << " op=" << op_name(static_cast<ReduceOp>(r.op));

@@ -13,7 +13,7 @@ namespace fastxfer {
 
 // The values are part of the C interface (engine/c_api.h FX_*) and of the records ranks exchange.
 enum class CollectiveKind : int32_t {
-  kAllreduce = 0, kBroadcast, kAllgather, kBarrier, kShutdown, kAlltoall, kReducescatter
+  kAllreduce = 0, kBroadcast, kAllgather, kBarrier, kShutdown, kJoin, kAlltoall, kReducescatter
 };
 enum class ReduceOp : int32_t { kSum = 0, kAverage, kMin, kMax, kProduct };
 

@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <limits>
 #include <stdexcept>
 #include <string>
 
@@ -243,6 +244,7 @@ bool Engine::running() const {
 }
 
 void Engine::finish(Request* r) {
+  if (r->stand_in) return;  // owned by the round that made it
   if (r->on_done) {
     std::unique_ptr<Request> owned;
     {
@@ -264,7 +266,15 @@ void Engine::finish(Request* r) {
     return;
   }
   status_[r->id].finished = true;
+  status_[r->id].joined_last = r->joined_last;
   done_cv_.notify_all();
+}
+
+int Engine::joined_last(uint64_t id) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = status_.find(id);
+  if (it == status_.end() || !it->second.finished) throw std::invalid_argument("join " + std::to_string(id) + " is not done");
+  return it->second.joined_last;
 }
 
 void Engine::fail_callbacks(ErrorKind kind, const std::string& msg) {
@@ -327,6 +337,81 @@ void Engine::fail_all(ErrorKind kind, const std::string& msg) {
   fail_callbacks(first, first_msg);
 }
 
+namespace {
+
+// The element that leaves a reduction unchanged: 0 for sum/average, 1 for product, +inf (or the
+// largest integer) for min, -inf (or the smallest) for max; bool: false for sum/max (or), true for
+// min/product (and).
+void fill_neutral(DType dt, ReduceOp op, void* p, size_t n) {
+  if (op == ReduceOp::kSum || op == ReduceOp::kAverage) {
+    std::memset(p, 0, n * dtype_size(dt));
+    return;
+  }
+  auto fill = [&](auto v) {
+    using T = decltype(v);
+    T* q = static_cast<T*>(p);
+    std::fill(q, q + n, v);
+  };
+  if (op == ReduceOp::kProduct) {
+    switch (dt) {
+      case DType::kFloat32: return fill(1.0f);
+      case DType::kFloat64: return fill(1.0);
+      case DType::kFloat16: return fill(static_cast<uint16_t>(0x3C00));
+      case DType::kBFloat16: return fill(static_cast<uint16_t>(0x3F80));
+      case DType::kInt32: return fill(int32_t{1});
+      case DType::kInt64: return fill(int64_t{1});
+      case DType::kUInt8: case DType::kInt8: case DType::kBool: return fill(uint8_t{1});
+      case DType::kUInt16: case DType::kInt16: return fill(uint16_t{1});
+    }
+  }
+  const bool lo = op == ReduceOp::kMax;
+  auto ints = [&](auto t) {
+    using T = decltype(t);
+    return fill(lo ? std::numeric_limits<T>::lowest() : std::numeric_limits<T>::max());
+  };
+  switch (dt) {
+    case DType::kFloat32: return fill(lo ? -std::numeric_limits<float>::infinity() : std::numeric_limits<float>::infinity());
+    case DType::kFloat64:
+      return fill(lo ? -std::numeric_limits<double>::infinity() : std::numeric_limits<double>::infinity());
+    case DType::kFloat16: return fill(static_cast<uint16_t>(lo ? 0xFC00 : 0x7C00));
+    case DType::kBFloat16: return fill(static_cast<uint16_t>(lo ? 0xFF80 : 0x7F80));
+    case DType::kInt32: return ints(int32_t{});
+    case DType::kInt64: return ints(int64_t{});
+    case DType::kUInt8: return ints(uint8_t{});
+    case DType::kInt8: return ints(int8_t{});
+    case DType::kUInt16: return ints(uint16_t{});
+    case DType::kInt16: return ints(int16_t{});
+    case DType::kBool: return fill(static_cast<uint8_t>(lo ? 0 : 1));
+  }
+  throw std::invalid_argument(std::string("join: no neutral element for ") + dtype_name(dt));
+}
+
+}  // namespace
+
+std::vector<std::unique_ptr<Request>> Engine::stand_ins(const std::vector<Record>& recs, size_t n) {
+  std::vector<std::unique_ptr<Request>> out;
+  for (size_t i = 0; i < n; ++i) {
+    const Record& rec = recs[i];
+    auto r = std::make_unique<Request>();
+    r->kind = CollectiveKind::kAllreduce;
+    r->dtype = static_cast<DType>(rec.dtype);
+    r->numel = record_numel(rec);
+    r->op = static_cast<ReduceOp>(rec.op);
+    r->compression = static_cast<Compression>(rec.compression);
+    r->prescale = rec.prescale;
+    r->postscale = rec.postscale;
+    r->rec = rec;
+    r->stand_in = true;
+    const size_t bytes = r->numel * dtype_size(r->dtype);
+    r->stand_in_buf.resize(2 * bytes + 1);
+    fill_neutral(r->dtype, r->op, r->stand_in_buf.data(), r->numel);
+    r->in = r->stand_in_buf.data();
+    r->out = r->stand_in_buf.data() + bytes;
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
 // One negotiation round and the batch it agrees on, on whichever thread holds `driving_`: the
 // engine thread, or a thread waiting for its own request (see wait()). Returns whether the batch
 // ended with the shutdown request. Throws what the collectives throw.
@@ -341,25 +426,69 @@ bool Engine::run_round() {
   if (recs.empty()) return false;
   const double t_round = tl ? timeline_.now() : 0;
   auto all = comm_->exchange_records(recs);
+  ++rounds_run_;
+  const int n = static_cast<int>(all.size());
+  // join: a rank whose next request is a join has no more data; it stands in for its peers'
+  // allreduces with the op's neutral element until every rank has joined.
+  auto joined = [&](int j) {
+    return !all[j].empty() && static_cast<CollectiveKind>(all[j][0].kind) == CollectiveKind::kJoin;
+  };
+  std::vector<int> active;
+  for (int j = 0; j < n; ++j) {
+    if (joined(j)) {
+      if (joined_at_.size() != all.size()) joined_at_.assign(all.size(), 0);
+      if (!joined_at_[j]) joined_at_[j] = rounds_run_;
+    } else {
+      active.push_back(j);
+    }
+  }
   size_t agreed = recs.size();
-  for (const auto& l : all) agreed = std::min(agreed, l.size());
+  if (active.empty() || active.size() == all.size()) {
+    for (const auto& l : all) agreed = std::min(agreed, l.size());
+    if (active.empty()) agreed = 1;  // everyone has joined: the join itself
+  } else {
+    // the active ranks' common prefix, up to the first join any of them has queued
+    agreed = all[active[0]].size();
+    for (int j : active) {
+      size_t k = 0;
+      while (k < all[j].size() && static_cast<CollectiveKind>(all[j][k].kind) != CollectiveKind::kJoin) ++k;
+      agreed = std::min(agreed, k);
+    }
+  }
   if (tl) {
     const double t = timeline_.now();
     timeline_.span(Timeline::kEngineLane, "engine", "negotiate", t_round, t,
                    "\"offered\": " + std::to_string(recs.size()) + ", \"agreed\": " + std::to_string(agreed));
   }
-  for (size_t i = 0; i < agreed; ++i) {
-    for (size_t j = 1; j < all.size(); ++j) {
-      std::string diff = compare_records(all[0][i], 0, all[j][i], static_cast<int>(j));
-      if (!diff.empty())
-        throw Mismatch("collective #" + std::to_string(executed_ + i + 1) + ": " + diff +
-                       ". Every rank must issue the same collectives, with the same names, shapes, "
-                       "dtypes and options, in the same order.");
+  if (!active.empty()) {
+    const int ref = active[0];
+    for (size_t i = 0; i < agreed; ++i) {
+      for (int j : active) {
+        if (j == ref) continue;
+        std::string diff = compare_records(all[ref][i], ref, all[j][i], j);
+        if (!diff.empty())
+          throw Mismatch("collective #" + std::to_string(executed_ + i + 1) + ": " + diff +
+                         ". Every rank must issue the same collectives, with the same names, shapes, "
+                         "dtypes and options, in the same order.");
+      }
+      if (active.size() < all.size() && static_cast<CollectiveKind>(all[ref][i].kind) != CollectiveKind::kAllreduce) {
+        std::string who;
+        for (int j = 0; j < n; ++j)
+          if (joined(j)) who += (who.empty() ? "" : ", ") + std::to_string(j);
+        throw Mismatch("collective #" + std::to_string(executed_ + i + 1) + ": rank " + std::to_string(ref) +
+                       " submitted " + describe(all[ref][i]) + " but rank(s) " + who +
+                       " have joined: while some ranks have joined, the others may only run allreduces");
+      }
     }
   }
   if (agreed == 0) return false;
+  const bool me_joined = joined(comm_->rank()) && !active.empty();
+  std::vector<std::unique_ptr<Request>> stand;
   std::vector<Request*> batch;
-  {
+  if (me_joined) {
+    stand = stand_ins(all[active[0]], agreed);
+    for (auto& r : stand) batch.push_back(r.get());
+  } else {
     std::lock_guard<std::mutex> lk(mu_);
     for (size_t i = 0; i < agreed; ++i) {
       Request* r = queue_.front().get();
@@ -368,6 +497,14 @@ bool Engine::run_round() {
       batch.push_back(r);
       if (tl) r->t_agreed = timeline_.now();
     }
+  }
+  if (active.empty()) {
+    // The join completes: the rank that joined last (the latest round; the highest rank of a tie).
+    int last_rank = 0;
+    for (int j = 0; j < n; ++j)
+      if (joined_at_[j] >= joined_at_[last_rank]) last_rank = j;
+    batch[0]->joined_last = last_rank;
+    joined_at_.assign(all.size(), 0);
   }
   // Read before running: once a request is finished, the waiting thread may release it.
   const bool last = batch.back()->kind == CollectiveKind::kShutdown;
@@ -528,6 +665,7 @@ void Engine::run_batch(const std::vector<Request*>& batch, const std::vector<std
         if (timeline_.enabled()) trace(*r, t0, timeline_.now(), "reducescatter");
         break;
       }
+      case CollectiveKind::kJoin:      // every rank has joined: agreeing on it completes it
       case CollectiveKind::kBarrier:   // agreeing on it was the barrier: every rank had reached it
       case CollectiveKind::kShutdown:  // likewise; the loop stops after this batch
         break;

@@ -58,6 +58,9 @@ struct Request {
   std::vector<int64_t> splits;       // alltoall: rows sent to each rank (empty: an equal split)
   std::vector<int64_t> recv_splits;  // alltoall: rows received from each rank (after it ran)
   DoneCallback on_done;  // set: nobody calls wait()/release() for this request
+  bool stand_in = false;  // made up by a joined rank to match its peers' allreduce (see join)
+  std::vector<char> stand_in_buf;  // its input (the op's neutral element) and output
+  int joined_last = -1;   // join: the rank that joined last
   double t_submit = 0, t_agreed = 0;  // timeline clock (only when the timeline is on)
 };
 
@@ -87,6 +90,8 @@ class Engine {
   }
   // Ids finished (or failed) since the last call: their buffers may be released.
   std::vector<uint64_t> take_finished();
+  // A finished join's result: the rank that joined last.
+  int joined_last(uint64_t id);
   // Moves out an allgather/alltoall/reducescatter result (after wait); `splits`, when given,
   // receives an alltoall's received splits.
   std::vector<char> take_gathered(uint64_t id, int64_t* rows, std::vector<int64_t>* splits = nullptr);
@@ -116,11 +121,14 @@ class Engine {
     ErrorKind error = ErrorKind::kNone;
     std::string message;
     bool detached = false;  // see detach()
+    int joined_last = -1;   // a finished join's result
   };
 
   void loop();
   bool run_round();
   void check_shape(Request& req) const;
+  // A joined rank's stand-ins for the allreduces its peers still run (engine.cc, "join").
+  std::vector<std::unique_ptr<Request>> stand_ins(const std::vector<Record>& recs, size_t n);
   void fail_from(ErrorKind kind, const std::string& msg);  // fail everything and tell the peers
   void run_batch(const std::vector<Request*>& batch, const std::vector<std::vector<Record>>& all);
   void finish(Request* r);
@@ -144,6 +152,8 @@ class Engine {
   std::vector<uint64_t> finished_;
   uint64_t next_id_ = 1;
   uint64_t executed_ = 0;
+  std::vector<uint64_t> joined_at_;  // join: per rank, the round (1-based) it joined in; 0: not joined
+  uint64_t rounds_run_ = 0;
   uint64_t buckets_ = 0;   // buckets run so far (timeline labels)  // requests agreed and run (the same count on every rank)
   bool stop_ = false, stopped_ = false, shutdown_requested_ = false;
   bool driving_ = false;  // a thread (engine or waiter) is running a round: only one at a time

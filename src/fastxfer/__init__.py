@@ -12,8 +12,8 @@ background engine that reduces over shared memory.
 
 from fastxfer import _core
 from fastxfer.comm import (Handle, allgather, allreduce, allreduce_async, alltoall, alltoall_async, barrier, broadcast,
-                           broadcast_object, engine_stats, grouped_reducescatter, init, is_initialized, local_rank,
-                           local_size, oob_allreduce, rank, reducescatter, shutdown, size)
+                           broadcast_object, engine_stats, grouped_reducescatter, init, is_initialized, join,
+                           local_rank, local_size, oob_allreduce, rank, reducescatter, shutdown, size)
 from fastxfer.compression import compress, decompress
 from fastxfer.errors import FastxferError, MismatchError, PeerFailureError
 
@@ -49,6 +49,7 @@ __all__ = [
     "grouped_reducescatter",
     "init",
     "is_initialized",
+    "join",
     "local_rank",
     "local_size",
     "oob_allreduce",

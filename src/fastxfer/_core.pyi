@@ -195,6 +195,8 @@ class Engine:
         """Forget request ``id`` once it finishes: nobody will wait for it (its handle was dropped)."""
     def release(self, id: int) -> None:
         """Forget a finished request (its buffers are no longer touched)."""
+    def joined_last(self, id: int) -> int:
+        """A finished join's result: the rank that joined last."""
     def take_finished(self) -> list[int]:
         """Ids of requests finished since the last call."""
     def take_gathered(self, id: int) -> tuple[np.ndarray, int, list[int]]:

@@ -44,6 +44,9 @@ def numpy_dtype(dtype) -> np.dtype:
     return dt
 
 
+_SUPPORTED = frozenset(DTYPES.values())
+
+
 def array(x, what: str = "array") -> np.ndarray:
     """``x`` as a C-contiguous numpy array of a dtype the engine reduces."""
     if isinstance(x, np.ndarray):
@@ -53,7 +56,7 @@ def array(x, what: str = "array") -> np.ndarray:
             a = np.asarray(x)
         except Exception as e:  # noqa: BLE001 - report what numpy said
             raise TypeError(f"{what} must be a numpy array or array-like: {e}") from None
-    if a.dtype.name not in DTYPES or DTYPES[a.dtype.name] != a.dtype:
+    if a.dtype not in _SUPPORTED:  # a set lookup: numpy's dtype.name is slow Python (every call pays it)
         raise TypeError(f"{what} has dtype {a.dtype.name}; fastxfer moves {', '.join(DTYPES)}")
     return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 

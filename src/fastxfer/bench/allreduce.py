@@ -50,7 +50,7 @@ def _sizes(b: int, e: int, f: int) -> list[int]:
 
 
 def _launch(impl: str, np_: int, sizes: list[int], scale: float, tmp: str,
-            collectives: tuple[str, ...] = COLLECTIVES) -> tuple[list[dict], str | None]:
+            collectives: tuple[str, ...] = COLLECTIVES, bind: str = "none") -> tuple[list[dict], str | None]:
     out = os.path.join(tmp, impl)
     worker = worker_command("allreduce_worker", "--impl", impl, "--sizes", ",".join(map(str, sizes)),
                             "--iters-scale", str(scale), "--out", out, "--collectives", ",".join(collectives))
@@ -63,7 +63,7 @@ def _launch(impl: str, np_: int, sizes: list[int], scale: float, tmp: str,
         cmd = [mpirun, "-np", str(np_), "--bind-to", "none"] + worker
     else:
         env["BENCH_PORT"] = str(free_port())
-        cmd = launcher_command(np_) + worker
+        cmd = launcher_command(np_, *(["--bind", bind] if impl == "fastxfer" and bind != "none" else [])) + worker
     if impl == "deepspeed":
         # one OpenMP thread per rank, as fastxfer's engine runs one thread per rank: with N ranks
         # on N cores more threads only oversubscribe (DeepSpeed's kernels are `omp parallel for`)
@@ -135,7 +135,7 @@ def _bus_factor(collective: str, n: int) -> float:
 
 
 def run(np_: int = 2, b: int = 1 << 10, e: int = 64 << 20, f: int = 4, scale: float = 1.0,
-        peers: tuple[str, ...] = PEERS, collectives: tuple[str, ...] = COLLECTIVES) -> dict:
+        peers: tuple[str, ...] = PEERS, bind: str = "none", collectives: tuple[str, ...] = COLLECTIVES) -> dict:
     sizes = _sizes(b, e, f)
     rows: list[dict] = []
     skipped: dict[str, str] = {}
@@ -148,7 +148,7 @@ def run(np_: int = 2, b: int = 1 << 10, e: int = 64 << 20, f: int = 4, scale: fl
             if impl == "deepspeed":
                 status("deepspeed: the first run JIT-builds its shm extension with ninja (a minute or two)")
             status(f"{impl}: {np_} ranks, {len(sizes)} sizes {sizes[0]}..{sizes[-1]} bytes")
-            got, err = _launch(impl, np_, sizes, scale, tmp, collectives)
+            got, err = _launch(impl, np_, sizes, scale, tmp, collectives, bind)
             if err:
                 skipped[impl] = err
                 status(f"{impl}: {err}")
@@ -338,6 +338,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", default=",".join(PEERS), help=f"implementations to run (default {','.join(PEERS)})")
     p.add_argument("--collectives", default=",".join(COLLECTIVES),
                    help=f"collectives to measure (default {','.join(COLLECTIVES)})")
+    p.add_argument("--bind", choices=["none", "socket", "numa"], default="none",
+                   help="start the fastxfer ranks with `fastxfer run --bind` (DeepSpeed's ranks are always pinned "
+                        "one per core, its best setting; --bind numa gives fastxfer the same); default none")
     p.add_argument("--json", metavar="PATH", help="write results as JSON (- for stdout)")
     p.add_argument("--plot", metavar="PNG", help="busbw vs size, and the cost model")
     p.add_argument("--markdown", action="store_true", help="also print markdown tables (for bench/RESULTS.md)")
@@ -350,7 +353,7 @@ def main(args: argparse.Namespace) -> int:
     if bad:
         raise SystemExit(f"unknown collective(s) {', '.join(bad)}: expected some of {', '.join(COLLECTIVES)}")
     res = run(args.np, _parse_size(args.minbytes), _parse_size(args.maxbytes), args.stepfactor, args.iters_scale,
-              tuple(p.strip() for p in args.peers.split(",") if p.strip()),
+              tuple(p.strip() for p in args.peers.split(",") if p.strip()), args.bind,
               tuple(c.strip() for c in args.collectives.split(",") if c.strip()))
     if args.json:
         write_json(args.json, res)

@@ -2,8 +2,8 @@
 between hosts. ``group`` knows nothing of the collectives; the collectives build on ``group``."""
 
 from fastxfer.comm.collectives import (Handle, allgather, allreduce, allreduce_async, alltoall, alltoall_async,
-                                       barrier, broadcast, broadcast_object, grouped_reducescatter, oob_allreduce,
-                                       reducescatter)
+                                       barrier, broadcast, broadcast_object, grouped_reducescatter, join,
+                                       oob_allreduce, reducescatter)
 from fastxfer.comm.group import (Layout, engine_stats, hosts, init, is_initialized, layout, local_rank, local_size,
                                  rank, shutdown, size)
 
@@ -23,6 +23,7 @@ __all__ = [
     "hosts",
     "init",
     "is_initialized",
+    "join",
     "layout",
     "local_rank",
     "local_size",

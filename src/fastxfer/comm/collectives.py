@@ -5,6 +5,7 @@ given) and shapes are checked, and a disagreement raises MismatchError on every 
 from __future__ import annotations
 
 import itertools
+import math
 import pickle
 import threading
 
@@ -75,6 +76,8 @@ class Handle:
                 self._out = raw.view(self._dtype).reshape((rows,) + tuple(self._shape[1:]))
                 if self._kind == "alltoall":
                     self._out = (self._out, np.asarray(splits, np.int64))
+            elif self._kind == "join":
+                self._out = self._eng.joined_last(self._id)
         finally:
             self._eng.release(self._id)
             with _lock:
@@ -143,11 +146,13 @@ def allreduce_settings(dtype, op, compression, prescale, postscale, bucket_cap_m
     op = check.op(op)
     compression = check.compression(compression, dtype)
     for what, v in (("prescale", prescale), ("postscale", postscale)):
-        if not np.isfinite(v):
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+            raise TypeError(f"{what} must be a number, not {type(v).__name__}")
+        if not math.isfinite(v):
             raise ValueError(f"{what} must be a finite number, not {v!r}")
     if dtype.kind in "iub":
         # Integers average as Horovod does: the wrapped sum times 1/size in double precision,
-        # truncated toward zero (docs/algorithms.md, "Integers and bool"). bool has no average.
+        # truncated toward zero (docs/algorithms.md, "Integers, bool and product"). bool has no average.
         if op == "average" and dtype.kind == "b":
             raise TypeError("op='average' needs a numeric dtype, not bool: sum is a logical or, min a logical and")
         if prescale != 1.0 or postscale != 1.0:
@@ -272,6 +277,20 @@ def barrier() -> None:
     _submit("barrier", "barrier", None, None, sync=True).wait()
 
 
+def join() -> int:
+    """This rank has no more data (Horovod's ``join``): until every rank has joined, it takes part
+    in the allreduces the others still run, contributing the op's neutral element (0 for sum and
+    average -- an average still divides by size() --, 1 for product, +inf/-inf or the integer
+    limits for min/max; bool: false for sum/max, true for min/product)
+    and discarding the results. Other collectives while some ranks have joined are a
+    MismatchError. Returns the rank that joined last, on every rank. One host only."""
+    eng, layout = group._current()
+    if layout.hosts > 1:
+        raise NotImplementedError("join() runs on one host for now (a job over several hosts would need the "
+                                  "inter-host stage to stand in too)")
+    return int(_submit("join", "join", None, None, sync=True).wait())
+
+
 def broadcast_object(obj, root: int = 0):
     """Broadcast a picklable Python object from ``root`` (small objects: options, epoch numbers)."""
     me = group.rank()
@@ -284,5 +303,5 @@ def broadcast_object(obj, root: int = 0):
 
 
 __all__ = ["Handle", "allgather", "allreduce", "allreduce_async", "allreduce_settings", "alltoall", "alltoall_async",
-           "barrier", "broadcast", "broadcast_object", "grouped_reducescatter", "oob_allreduce", "reducescatter",
-           "split_counts"]
+           "barrier", "broadcast", "broadcast_object", "grouped_reducescatter", "join", "oob_allreduce",
+           "reducescatter", "split_counts"]

@@ -1,0 +1,45 @@
+"""join(): ranks with uneven numbers of batches, through the real launcher and engine."""
+
+import json
+
+import pytest
+
+from _launch import launch
+
+W = "join_worker.py"
+STEPS = {2: [2, 4], 3: [3, 5, 1]}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_joined_ranks_stand_in_with_neutral_elements(n):
+    r = launch(n, W, "uneven")
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = {}
+    for line in r.stdout.splitlines():
+        if "RESULT " in line:
+            d = json.loads(line.split("RESULT ", 1)[1])
+            got[d["rank"]] = d
+    assert sorted(got) == list(range(n)), r.stdout
+    steps = STEPS[n]
+    last = max(range(n), key=lambda j: (steps[j], j))  # the rank with the most batches joins last
+    for rank, d in got.items():
+        assert d["last"] == last
+        assert d["after"] == [float(n)] * 2
+        assert len(d["steps"]) == steps[rank]
+        for i, s in enumerate(d["steps"]):
+            live = [j for j in range(n) if steps[j] > i]  # ranks that still have batch i
+            assert s["sum"] == [float(sum(j + 1 for j in live))] * 5
+            assert s["max_i64"] == [max(j + 1 for j in live), max(-j for j in live)]
+            assert s["min_f64"] == [float(min(j + 1 for j in live))]
+            # an average still divides by the whole job's size (joined ranks count as zeros)
+            want = sum(j + 1 for j in live) / n
+            assert all(abs(v - want) <= abs(want) * 2 ** -8 for v in s["avg_bf16"]), (s, want)
+
+
+def test_other_collectives_while_a_rank_has_joined_are_a_mismatch():
+    r = launch(2, W, "broadcast_while_joined")
+    lines = sorted(ln for ln in r.stdout.splitlines() if "MISMATCH rank" in ln)
+    assert len(lines) == 2, r.stdout + r.stderr
+    for ln in lines:
+        assert "rank 1 submitted broadcast 'late' float32[3] root=1 but rank(s) 0 have joined" in ln, ln
+    assert r.returncode == 3
