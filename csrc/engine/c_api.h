@@ -21,7 +21,7 @@ extern "C" {
 #define FX_C_API_VERSION 2
 
 /* Values of fastxfer::CollectiveKind, DType, ReduceOp and Compression (common/). */
-enum { FX_ALLREDUCE = 0, FX_BROADCAST = 1, FX_ALLGATHER = 2, FX_ALLTOALL = 5, FX_REDUCESCATTER = 6 };
+enum { FX_ALLREDUCE = 0, FX_BROADCAST = 1, FX_ALLGATHER = 2, FX_ALLTOALL = 6, FX_REDUCESCATTER = 7 };
 enum { FX_FLOAT32 = 0, FX_FLOAT64, FX_FLOAT16, FX_BFLOAT16, FX_INT32, FX_INT64, FX_UINT8, FX_INT8, FX_UINT16, FX_INT16,
        FX_BOOL };
 /* Error kinds (fastxfer::ErrorKind): the Python class a message belongs to. */
