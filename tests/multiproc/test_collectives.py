@@ -64,6 +64,10 @@ def test_reducescatter_exact(np_):
     assert_ok(launch(np_, W, "reducescatter"), np_, "reducescatter")
 
 
+def test_join_stands_in_with_the_neutral_element_of_product_and_the_new_dtypes():
+    assert_ok(launch(3, W, "join15"), 3, "join15")
+
+
 def test_layout_from_launcher():
     r = launch(3, W, "info")
     assert r.returncode == 0, r.stderr

@@ -506,6 +506,23 @@ def reducescatter():
     print(f"OK reducescatter {cases} cases on rank {r}")
 
 
+def join15():
+    """join's stand-ins with the new op and dtypes: rank 0 reduces alone after the others joined,
+    and gets its own values back (the neutral elements: 1 for product, and/or's identities for bool,
+    the integer limits for min/max)."""
+    r = fx.rank()
+    if r == 0:
+        cases = [(np.array([3, 5, 200], np.uint8), "product"), (np.array([True, False]), "min"),
+                 (np.array([True, False]), "sum"), (np.array([-3, 9], np.int16), "max"),
+                 (np.array([-3, 9], np.int8), "min"), (np.array([2.5, -1.0], np.float16), "product"),
+                 (np.array([7, 1], np.uint16), "sum")]
+        for x, op in cases:
+            got = fx.allreduce(x, op=op)
+            assert got.dtype == x.dtype and np.array_equal(got, x), (x.dtype, op, got)
+    assert fx.join() == 0
+    print(f"OK join15 on rank {r}")
+
+
 def info():
     print(f"INFO rank={fx.rank()} size={fx.size()} local_rank={fx.local_rank()} local_size={fx.local_size()}")
 
@@ -540,6 +557,8 @@ if __name__ == "__main__":
         shutdown_early()
     elif mode == "info":
         info()
+    elif mode == "join15":
+        join15()
     elif mode == "dtypes15":
         dtypes15()
     elif mode == "alltoall":
