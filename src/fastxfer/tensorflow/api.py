@@ -27,6 +27,9 @@ from fastxfer.tensorflow import ops
 from fastxfer.tensorflow.basics import check_process_set, global_process_set
 from fastxfer.tensorflow.compression import Compression, resolve
 
+# Python that builds graphs without data-dependent control flow: nothing for AutoGraph to convert
+_no_autograph = tf.autograph.experimental.do_not_convert
+
 Average, Sum, Min, Max = ops.Average, ops.Sum, ops.Min, ops.Max
 Product = getattr(ops, "Product", "product")
 Adasum = "adasum"
@@ -81,6 +84,7 @@ def gather_slices(s: tf.IndexedSlices, op, values_name, indices_name) -> tf.Inde
     return tf.IndexedSlices(values, indices, dense_shape=s.dense_shape)
 
 
+@_no_autograph
 def allreduce(tensor, average=None, device_dense="", device_sparse="", compression=Compression.none, op=None,
               prescale_factor=1.0, postscale_factor=1.0, name=None, process_set=global_process_set,
               ignore_name_scope=False):
@@ -102,6 +106,7 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
                          postscale_factor=postscale_factor)
 
 
+@_no_autograph
 def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", compression=Compression.none,
                       op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set,
                       ignore_name_scope=False, name=None, names=None, order=None, bucket_cap_mb=None):
@@ -146,24 +151,28 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
     return out
 
 
+@_no_autograph
 def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
     """Concatenation of every rank's tensor along the first dimension (which may differ between ranks)."""
     check_process_set(process_set)
     return ops.allgather(tensor, name=name)
 
 
+@_no_autograph
 def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=global_process_set):
     """allgather of each tensor of a list."""
     check_process_set(process_set)
     return [ops.allgather(t, name=None if name is None else f"{name}.{i}") for i, t in enumerate(tensors)]
 
 
+@_no_autograph
 def broadcast(tensor, root_rank=0, name=None, ignore_name_scope=False, process_set=global_process_set):
     """Every rank gets root_rank's tensor."""
     check_process_set(process_set)
     return ops.broadcast(tensor, root_rank, name=name)
 
 
+@_no_autograph
 def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
     """Broadcast root_rank's values into ``variables`` in place; returns their new values."""
     check_process_set(process_set)

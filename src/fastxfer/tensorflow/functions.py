@@ -20,6 +20,7 @@ __all__ = ["allgather_object", "broadcast_global_variables", "broadcast_object",
            "broadcast_variables"]
 
 
+@tf.autograph.experimental.do_not_convert  # nothing to convert; converting it slows tracing down
 def broadcast_variables(variables, root_rank=0, process_set=global_process_set, name=None):
     """Assign root_rank's values to ``variables`` on every rank (tf.Variable or Keras 3 Variable),
     eagerly or inside a tf.function."""

@@ -11,6 +11,10 @@ from fastxfer.tensorflow.api import gather_slices, wire_for
 from fastxfer.tensorflow.basics import check_process_set, global_process_set
 from fastxfer.tensorflow.compression import Compression, resolve
 
+# fastxfer's Python builds graphs without data-dependent Python control flow: AutoGraph has nothing
+# to convert in it, and converting it call by call made tracing a model's step many times slower
+_no_autograph = tf.autograph.experimental.do_not_convert
+
 
 class LocalVariables:
     """Variables whose gradients stay on their rank (Horovod's register_local_var /
@@ -121,6 +125,7 @@ class DistributedGradientTape:
         ``scale_local_gradients``)."""
         self._local.add_variable(source)
 
+    @_no_autograph
     def gradient(self, target, sources, output_gradients=None, use_generic_names=False, **kw):
         grads = self._tape.gradient(target, sources, output_gradients=output_gradients, **kw)
         flat_sources = tf.nest.flatten(sources)
@@ -147,6 +152,7 @@ def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="", 
     return tape
 
 
+@_no_autograph
 def reduce_gradients(grads, variables, op=ops.Average, compression=Compression.none, gradient_predivide_factor=1.0,
                      bucket_cap_mb=None, prefix="grad", sparse_as_dense=False, local_variables=None,
                      scale_local_gradients=True):
