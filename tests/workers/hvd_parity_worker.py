@@ -368,10 +368,11 @@ def signatures():
 
         def calls(t):
             return [htf.allreduce(t, average=True), htf.allreduce(t, average=False), htf.allreduce(t),
-                    htf.allreduce(t, op=htf.Max), htf.allreduce(t, op=htf.Sum, prescale_factor=2.0, postscale_factor=0.5),
+                    htf.allreduce(t, op=htf.Max),
+                    htf.allreduce(t, op=htf.Sum, prescale_factor=2.0, postscale_factor=0.5),
                     *htf.grouped_allreduce([t, 2.0 * t], average=False),
-                    *htf.grouped_allreduce([t, tf.cast(t, tf.float64)], op=htf.Average, compression=htf.Compression.bf16,
-                                           prescale_factor=0.5, postscale_factor=4.0),
+                    *htf.grouped_allreduce([t, tf.cast(t, tf.float64)], op=htf.Average,
+                                           compression=htf.Compression.bf16, prescale_factor=0.5, postscale_factor=4.0),
                     hvd.allreduce(t, "k.avg", None), hvd.allreduce(t, average=False)]
 
         base = np.array([1.0, 2.0, 3.0])

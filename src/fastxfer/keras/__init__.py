@@ -13,15 +13,13 @@ Swap the import and an existing Horovod Keras script runs unchanged::
 Design notes and the table of every Horovod name: docs/keras.md.
 """
 
-import tensorflow as _tf
-
 from fastxfer import FastxferError, MismatchError, PeerFailureError
 from fastxfer.keras import _optimizer, callbacks, optimizers, schedules
+from fastxfer.keras._collectives import allgather, allreduce, broadcast, reducescatter
 from fastxfer.keras._layers import SyncBatchNormalization
 from fastxfer.keras._optimizer import DistributedOptimizer, PartialDistributedOptimizer, load_model
 from fastxfer.keras.optimizers import LARS, RMSpropToSGD
 from fastxfer.keras.schedules import scale_lr
-from fastxfer.tensorflow import api as _api
 from fastxfer.tensorflow import (Average, Compression, Compressor, Max, Min, Product, ProcessSet, Sum,
                                  add_process_set, allgather_object, broadcast_global_variables, broadcast_object,
                                  broadcast_object_fn, broadcast_variables, ccl_built, cross_rank, cross_size,
@@ -34,29 +32,6 @@ from fastxfer.tensorflow import (Average, Compression, Compressor, Max, Min, Pro
 _optimizer.install_trainer_hook()
 # Horovod scripts pass model.compile(..., experimental_run_tf_function=False), which Keras 3 lacks
 _optimizer.install_compile_shim()
-
-
-def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0, op=None,
-              compression=Compression.none):
-    """Reduce a tensor-compatible value across ranks (Horovod's Keras signature): Average by default
-    (``op``; the deprecated ``average`` still works). Returns a tensor."""
-    return _api.allreduce(_tf.convert_to_tensor(value), average=average, op=op, compression=compression, name=name,
-                          prescale_factor=prescale_factor, postscale_factor=postscale_factor)
-
-
-def allgather(value, name=None):
-    """Concatenate every rank's value along the first dimension (sizes may differ). Returns a tensor."""
-    return _api.allgather(_tf.convert_to_tensor(value), name=name)
-
-
-def broadcast(value, root_rank=0, name=None):
-    """root_rank's value on every rank. Returns a tensor."""
-    return _api.broadcast(_tf.convert_to_tensor(value), root_rank, name=name)
-
-
-def reducescatter(value, name=None, op=Average):
-    """Horovod's Keras reducescatter: fastxfer.tensorflow.reducescatter when this build has it."""
-    return _api.reducescatter(_tf.convert_to_tensor(value), name=name, op=op)
 
 
 __all__ = ["Average", "Compression", "Compressor", "DistributedOptimizer", "FastxferError", "LARS", "Max", "Min",

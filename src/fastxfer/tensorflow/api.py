@@ -35,8 +35,8 @@ Product = getattr(ops, "Product", "product")
 Adasum = "adasum"
 
 __all__ = ["Adasum", "Average", "Max", "Min", "Product", "Sum", "allgather", "allreduce", "alltoall", "broadcast",
-           "broadcast_", "grouped_allgather", "grouped_allreduce", "grouped_reducescatter",
-           "handle_average_backwards_compatibility", "join", "reducescatter"]
+           "broadcast_", "check_num_rank_power_of_2", "grouped_allgather", "grouped_allreduce",
+           "grouped_reducescatter", "handle_average_backwards_compatibility", "join", "reducescatter"]
 
 
 def handle_average_backwards_compatibility(op, average):
@@ -51,6 +51,11 @@ def handle_average_backwards_compatibility(op, average):
                       DeprecationWarning, stacklevel=3)
         return Average if average else Sum
     return Average
+
+
+def check_num_rank_power_of_2(num_rank) -> bool:
+    """Whether num_rank is a power of 2 (Horovod's helper, used for Adasum)."""
+    return num_rank != 0 and (num_rank & (num_rank - 1)) == 0
 
 
 def _op(op, average):

@@ -1,16 +1,20 @@
-"""Horovod's rank, capability and timeline queries, answered truthfully for fastxfer's CPU build.
+"""Horovod's rank, capability and timeline queries, answered truthfully for fastxfer's CPU build:
 
-| query | fastxfer's answer |
-|---|---|
-| ``size_op``, ``rank_op``, ``local_size_op``, ``local_rank_op`` | int32 scalar tensors; inside a ``tf.function`` read when the graph runs, as Horovod's ops |
-| ``cross_rank()`` / ``cross_size()`` | this host's index / the number of hosts (the job's layout; 0 / 1 on one host) |
-| ``is_homogeneous()`` | True: fastxfer refuses jobs whose hosts run different numbers of ranks |
-| ``mpi_built()`` | whether the MPI bridge between hosts can be used: mpi4py is installed |
-| ``mpi_enabled()`` | whether this process initialised MPI (a job started by mpirun / MPICH / horovodrun) |
-| ``mpi_threads_supported()`` | as Horovod: ValueError unless MPI is enabled; then whether MPI runs with MPI_THREAD_MULTIPLE |
-| ``gloo_built/enabled``, ``ddl_built``, ``ccl_built``, ``cuda_built``, ``rocm_built``, ``sycl_built`` | False: fastxfer has none of these backends |
-| ``nccl_built()`` | 0 (Horovod returns the NCCL version, 0 when there is none) |
-| ``start_timeline`` / ``stop_timeline`` | NotImplementedError: the timeline is chosen at ``init()`` with ``FASTXFER_TIMELINE`` |
+- ``size_op``, ``rank_op``, ``local_size_op``, ``local_rank_op``: int32 scalar tensors; inside a
+  ``tf.function`` read when the graph runs, as Horovod's ops.
+- ``cross_rank()`` / ``cross_size()``: this host's index / the number of hosts (the job's layout;
+  0 / 1 on one host).
+- ``is_homogeneous()``: True -- fastxfer refuses jobs whose hosts run different numbers of ranks.
+- ``mpi_built()``: whether the MPI bridge between hosts can be used (mpi4py is installed).
+- ``mpi_enabled()``: whether this process initialised MPI (a job started by mpirun, MPICH or
+  horovodrun).
+- ``mpi_threads_supported()``: as Horovod, ValueError unless MPI is enabled; then whether MPI runs
+  with MPI_THREAD_MULTIPLE.
+- ``gloo_built/enabled``, ``ddl_built``, ``ccl_built``, ``cuda_built``, ``rocm_built``,
+  ``sycl_built``: False, fastxfer has none of these backends; ``nccl_built()``: 0 (Horovod returns
+  the NCCL version, 0 without NCCL).
+- ``start_timeline`` / ``stop_timeline``: NotImplementedError -- the timeline is chosen at
+  ``init()`` with ``FASTXFER_TIMELINE``.
 
 Process sets (``ProcessSet``, ``global_process_set``, ``add_process_set``, ...): only the global
 set exists; ``process_set=global_process_set`` is accepted everywhere Horovod takes it, other sets

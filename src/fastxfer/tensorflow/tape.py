@@ -97,6 +97,10 @@ class DistributedGradientTape:
                  sparse_as_dense=False, op=ops.Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
                  process_set=global_process_set, scale_local_gradients=True):
         check_process_set(process_set)
+        if not isinstance(device_dense, str) or device_dense in ("none", "bf16", "fp16"):
+            # fastxfer's tape took compression second before it took Horovod's argument order
+            raise TypeError(f"DistributedGradientTape's second argument is device_dense (Horovod's order), not "
+                            f"{device_dense!r}: pass compression=... by keyword")
         resolve(compression)  # ValueError now rather than at gradient()
         op = ops.check_op(op)
         if gradient_predivide_factor != 1.0 and op != ops.Average:
