@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from _launch import assert_ok, launch
+from _launch import assert_ok, launch, mpi_launch, needs_mpi
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="TensorFlow not installed")
 W = "hvd_parity_worker.py"
@@ -52,6 +52,15 @@ def test_learning_rate_callbacks_and_best_model_checkpoint(flavour, tmp_path):
 @pytest.mark.parametrize("flavour", FLAVOURS)
 def test_queries_and_horovod_signatures(flavour):
     run_modes(flavour, ["queries", "signatures"])
+
+
+@needs_mpi
+@pytest.mark.parametrize("np_,per_host", [(2, 2), (4, 2)])
+def test_host_queries_under_mpirun(np_, per_host):
+    """cross_rank/cross_size from the layout, mpi_enabled and mpi_threads_supported under mpirun,
+    with hosts emulated by FASTXFER_HOST_ID (one host for 2 ranks, two hosts for 4)."""
+    assert_ok(mpi_launch(np_, W, f"hostqueries-{per_host}", per_host=per_host, env=ENV, timeout=600), np_,
+              "hostqueries")
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)

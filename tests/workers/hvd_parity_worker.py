@@ -329,6 +329,17 @@ def queries():
     print(f"OK queries rank {r}", flush=True)
 
 
+def hostqueries(per_host):
+    """Under mpirun, ranks on emulated hosts of per_host ranks each (FASTXFER_HOST_ID = rank // per_host)."""
+    r, n = hvd.rank(), hvd.size()
+    expect((hvd.cross_size(), hvd.cross_rank()) == (n // per_host, r // per_host),
+           (hvd.cross_size(), hvd.cross_rank()))
+    expect((hvd.local_size(), hvd.local_rank()) == (per_host, r % per_host), "local rank")
+    expect(hvd.mpi_enabled() is True and hvd.mpi_threads_supported() is True, "MPI in use, MPI_THREAD_MULTIPLE")
+    expect(int(htf.local_size_op().numpy()) == per_host and hvd.is_homogeneous(), "local_size_op")
+    print(f"OK hostqueries rank {r}", flush=True)
+
+
 # -- 5. signatures ----------------------------------------------------------------------------------
 
 class TimesFour(htf.Compressor):
@@ -521,6 +532,8 @@ if __name__ == "__main__":
             lrcallbacks(sys.argv[2])
         elif what == "queries":
             queries()
+        elif what.startswith("hostqueries-"):
+            hostqueries(int(what.split("-", 1)[1]))
         elif what == "signatures":
             signatures()
         elif what.startswith("sparse-"):

@@ -12,6 +12,7 @@ from fastxfer.tensorflow.compression import Compression
 __all__ = ["allgather", "allreduce", "broadcast", "reducescatter"]
 
 
+@tf.autograph.experimental.do_not_convert
 def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0, op=None,
               compression=Compression.none):
     """Reduce a tensor-compatible value across ranks (Horovod's Keras signature): Average by default
@@ -20,16 +21,19 @@ def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_fac
                          prescale_factor=prescale_factor, postscale_factor=postscale_factor)
 
 
+@tf.autograph.experimental.do_not_convert
 def allgather(value, name=None):
     """Concatenate every rank's value along the first dimension (sizes may differ). Returns a tensor."""
     return api.allgather(tf.convert_to_tensor(value), name=name)
 
 
+@tf.autograph.experimental.do_not_convert
 def broadcast(value, root_rank=0, name=None):
     """root_rank's value on every rank. Returns a tensor."""
     return api.broadcast(tf.convert_to_tensor(value), root_rank, name=name)
 
 
+@tf.autograph.experimental.do_not_convert
 def reducescatter(value, name=None, op=api.Average):
     """Horovod's Keras reducescatter: fastxfer.tensorflow.reducescatter when this build has it."""
     return api.reducescatter(tf.convert_to_tensor(value), name=name, op=op)

@@ -70,9 +70,6 @@ class LocalVarsMixin:
         divided by the number of ranks when ``scale_local_gradients``, Horovod's default)."""
         self._fastxfer.local.add_variable(var)
 
-    def _fastxfer_local_variables(self) -> list:
-        return self._fastxfer.local.variables()
-
 
 def is_distributed(optimizer) -> bool:
     """Is `optimizer` already a fastxfer DistributedOptimizer?"""

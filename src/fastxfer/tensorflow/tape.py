@@ -27,8 +27,7 @@ class LocalVariables:
         self._layers: list = []
 
     def add_variable(self, var) -> None:
-        if not (isinstance(var, tf.Variable) or _is_keras_variable(var)):
-            raise ValueError(f"a local variable must be a tf.Variable or a Keras Variable, not {type(var).__name__}")
+        """A variable (or, for a tape, any watched source) matched by identity."""
         self._vars.append(var)
 
     def add_layer(self, layer) -> None:
@@ -42,14 +41,6 @@ class LocalVariables:
         for v in self._vars + [w for layer in self._layers for w in layer.trainable_weights]:
             out |= variable_keys(v)
         return out
-
-    def variables(self) -> list:
-        return self._vars + [w for layer in self._layers for w in layer.weights]
-
-
-def _is_keras_variable(v) -> bool:
-    return any(c.__name__ == "Variable" and c.__module__.startswith(("keras.", "tf_keras."))
-               for c in type(v).__mro__) or any(c.__name__ == "KerasVariable" for c in type(v).__mro__)
 
 
 def variable_keys(v) -> set:
