@@ -234,10 +234,11 @@ def callbacks_mode():
     model.fit(shard(x, r, n), shard(y, r, n) + r, batch_size=B, epochs=3, shuffle=False, verbose=0,
               callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback(),
                          warm, LR(), Record(), ck])
-    # warm-up: Horovod's formula, batch by batch, then the full rate
-    want = [warm.lr_at(e + b / STEPS) for e in range(3) for b in range(STEPS)]
+    # warm-up: Horovod's formula, batch by batch (shifted by 1/steps, as Horovod's code: the last
+    # warm-up batch runs at the full rate), then the rate is left alone
+    want = [warm.lr_at(e + b / STEPS) if e < 2 else 0.1 for e in range(3) for b in range(STEPS)]
     np.testing.assert_allclose(lrs, want, rtol=1e-6)
-    assert abs(want[0] - 0.1 / n) < 1e-9 and want[-1] == 0.1
+    assert abs(want[0] - 0.1 / n * (1 + (n - 1) / (2 * STEPS))) < 1e-9 and abs(want[2 * STEPS - 1] - 0.1) < 1e-12
     # averaged metrics: identical on every rank, and equal to the mean of the local losses
     loss = np.array([seen[e]["loss"] for e in range(3)])
     assert same_on_all_ranks(loss), "MetricAverageCallback: ranks disagree"

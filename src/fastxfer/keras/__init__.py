@@ -10,24 +10,37 @@ Swap the import and an existing Horovod Keras script runs unchanged::
                                hvd.callbacks.MetricAverageCallback()],
               verbose=1 if hvd.rank() == 0 else 0)
 
-Design notes: docs/keras.md.
+Design notes and the table of every Horovod name: docs/keras.md.
 """
 
 from fastxfer import FastxferError, MismatchError, PeerFailureError
 from fastxfer.keras import _optimizer, callbacks, optimizers, schedules
+from fastxfer.keras._collectives import allgather, allreduce, broadcast, reducescatter
 from fastxfer.keras._layers import SyncBatchNormalization
-from fastxfer.keras._optimizer import DistributedOptimizer, load_model
+from fastxfer.keras._optimizer import DistributedOptimizer, PartialDistributedOptimizer, load_model
 from fastxfer.keras.optimizers import LARS, RMSpropToSGD
 from fastxfer.keras.schedules import scale_lr
-from fastxfer.tensorflow import (Average, Compression, Max, Min, Sum, allgather, allreduce, broadcast, broadcast_object,
-                                 broadcast_variables, grouped_allreduce, init, is_initialized, local_rank, local_size,
-                                 oob_allreduce, rank, shutdown, size)
+from fastxfer.tensorflow import (Average, Compression, Compressor, Max, Min, Product, ProcessSet, Sum,
+                                 add_process_set, allgather_object, broadcast_global_variables, broadcast_object,
+                                 broadcast_object_fn, broadcast_variables, ccl_built, cross_rank, cross_size,
+                                 cuda_built, ddl_built, gloo_built, gloo_enabled, global_process_set, grouped_allreduce,
+                                 init, is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
+                                 mpi_threads_supported, nccl_built, oob_allreduce, rank, remove_process_set,
+                                 rocm_built, shutdown, size, start_timeline, stop_timeline, sycl_built)
 
 # model.fit of a model with a DistributedOptimizer must trace its training step without XLA
 _optimizer.install_trainer_hook()
+# Horovod scripts pass model.compile(..., experimental_run_tf_function=False), which Keras 3 lacks
+_optimizer.install_compile_shim()
 
-__all__ = ["Average", "Compression", "DistributedOptimizer", "FastxferError", "LARS", "RMSpropToSGD", "optimizers",
-           "scale_lr", "schedules", "Max", "Min", "MismatchError",
-           "PeerFailureError", "Sum", "SyncBatchNormalization", "allgather", "allreduce", "broadcast",
-           "broadcast_object", "broadcast_variables", "callbacks", "grouped_allreduce", "init", "is_initialized",
-           "load_model", "local_rank", "local_size", "oob_allreduce", "rank", "shutdown", "size"]
+
+__all__ = ["Average", "Compression", "Compressor", "DistributedOptimizer", "FastxferError", "LARS", "Max", "Min",
+           "MismatchError", "PartialDistributedOptimizer", "PeerFailureError", "ProcessSet", "Product",
+           "RMSpropToSGD", "Sum", "SyncBatchNormalization", "add_process_set", "allgather", "allgather_object",
+           "allreduce", "broadcast", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
+           "broadcast_variables", "callbacks", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built",
+           "gloo_built", "gloo_enabled", "global_process_set", "grouped_allreduce", "init", "is_homogeneous",
+           "is_initialized", "load_model", "local_rank", "local_size", "mpi_built", "mpi_enabled",
+           "mpi_threads_supported", "nccl_built", "oob_allreduce", "optimizers", "rank", "reducescatter",
+           "remove_process_set", "rocm_built", "scale_lr", "schedules", "shutdown", "size", "start_timeline",
+           "stop_timeline", "sycl_built"]

@@ -9,7 +9,10 @@ import tensorflow as tf
 import fastxfer as fx
 import fastxfer.tensorflow as ftf
 from fastxfer import _validate
+from fastxfer.tensorflow.basics import check_process_set
+from fastxfer.tensorflow.compression import resolve
 from fastxfer.tensorflow.ops import chained
+from fastxfer.tensorflow.tape import LocalVariables
 
 WRAPPED = "_fastxfer_distributed"  # class attribute that marks a distributed optimizer class
 ACCUMULATORS = "_fastxfer_acc"  # instance __dict__ key: backward_passes_per_step's local accumulators
@@ -21,35 +24,51 @@ class Settings:
 
     def __init__(self, compression=ftf.Compression.none, backward_passes_per_step=1,
                  average_aggregated_gradients=False, gradient_predivide_factor=1.0, bucket_cap_mb=None,
-                 op=ftf.Average):
+                 op=ftf.Average, sparse_as_dense=False, scale_local_gradients=True):
         self.compression = compression
         self.k = backward_passes_per_step
         self.average_aggregated = bool(average_aggregated_gradients)
         self.predivide = float(gradient_predivide_factor)
         self.bucket_cap_mb = bucket_cap_mb
         self.op = op
+        self.sparse_as_dense = bool(sparse_as_dense)
+        self.scale_local_gradients = bool(scale_local_gradients)
+        self.local = LocalVariables()  # register_local_var, PartialDistributedOptimizer's local_layers
 
 
 def new_settings(compression=ftf.Compression.none, backward_passes_per_step=1, average_aggregated_gradients=False,
-                 gradient_predivide_factor=1.0, bucket_cap_mb=None, op=ftf.Average) -> Settings:
+                 gradient_predivide_factor=1.0, bucket_cap_mb=None, op=ftf.Average, sparse_as_dense=False,
+                 scale_local_gradients=True, process_set=None) -> Settings:
     """Checked settings for a new DistributedOptimizer: FastxferError before init(), ValueError
     naming a wrong argument."""
     if not fx.is_initialized():
         raise fx.FastxferError("call fastxfer.keras.init() before DistributedOptimizer()")
-    compression = _validate.compression(compression)
+    check_process_set(process_set)
+    resolve(compression)  # a built-in (wire format) or a user compressor with compress()/decompress()
     if not isinstance(backward_passes_per_step, int) or isinstance(backward_passes_per_step, bool) \
             or backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be an int >= 1, not {backward_passes_per_step!r}")
     if not (isinstance(gradient_predivide_factor, (int, float)) and gradient_predivide_factor > 0):
         raise ValueError(f"gradient_predivide_factor must be a number > 0, not {gradient_predivide_factor!r}")
     _validate.bucket_cap_bytes(bucket_cap_mb)
+    if op is None:
+        op = ftf.Average
     op = _validate.op(op)
     if op not in (ftf.Average, ftf.Sum):
         raise ValueError(f"op must be Average or Sum for gradients, not {op!r}")
     if gradient_predivide_factor != 1.0 and op != ftf.Average:
         raise ValueError("gradient_predivide_factor applies to op=Average only")
     return Settings(compression, backward_passes_per_step, average_aggregated_gradients, gradient_predivide_factor,
-                    bucket_cap_mb, op)
+                    bucket_cap_mb, op, sparse_as_dense, scale_local_gradients)
+
+
+class LocalVarsMixin:
+    """Horovod's register_local_var, on every fastxfer DistributedOptimizer class."""
+
+    def register_local_var(self, var):
+        """Registers a variable as worker local: its gradient is not reduced across ranks (and is
+        divided by the number of ranks when ``scale_local_gradients``, Horovod's default)."""
+        self._fastxfer.local.add_variable(var)
 
 
 def is_distributed(optimizer) -> bool:
@@ -61,12 +80,13 @@ _classes: dict[type, type] = {}  # wrapped class -> its distributed subclass
 
 
 def distributed_class(base: type, mixin: type) -> type:
-    """The run-time subclass of `base` with `mixin`'s methods in front (one per class, so that
-    two optimizers of one class share a type), named like `base`."""
+    """The run-time subclass of `base` with `mixin`'s methods (and register_local_var) in front
+    (one per class, so that two optimizers of one class share a type), named like `base`."""
     cls = _classes.get(base)
     if cls is None:
-        cls = type(base.__name__, (mixin, base), {"__module__": base.__module__, WRAPPED: True,
-                                                    "__doc__": f"{base.__name__} reducing gradients with fastxfer."})
+        cls = type(base.__name__, (mixin, LocalVarsMixin, base),
+                   {"__module__": base.__module__, WRAPPED: True, "_fastxfer_base": base,
+                    "__doc__": f"{base.__name__} reducing gradients with fastxfer."})
         _classes[base] = cls
     return cls
 
@@ -88,7 +108,9 @@ def reduce_gradients(settings: Settings, grads, variables) -> list:
         return list(grads)  # one rank: nothing to reduce (Average and Sum, with any predivide factor, are the identity)
     return ftf.reduce_gradients(grads, variables, op=settings.op, compression=settings.compression,
                                 gradient_predivide_factor=settings.predivide, bucket_cap_mb=settings.bucket_cap_mb,
-                                prefix="DistributedOptimizer")
+                                prefix="DistributedOptimizer", sparse_as_dense=settings.sparse_as_dense,
+                                local_variables=settings.local,
+                                scale_local_gradients=settings.scale_local_gradients)
 
 
 def accumulate_and_apply(settings: Settings, passes, accs, grads, variables, apply) -> None:

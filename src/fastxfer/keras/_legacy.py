@@ -48,7 +48,7 @@ class _LegacyMixin:
         # a copy built from a config is distributed too (with the default settings: the config
         # is the wrapped class's and holds none of fastxfer's)
         config = dict(config)  # from_config may deserialize entries in place: not in the caller's dict
-        base = cls.__mro__[2]  # the wrapped class (cls -> mixin -> base)
+        base = cls._fastxfer_base  # the wrapped class
         return distributed_legacy(base.from_config(config, custom_objects=custom_objects), new_settings())
 
 

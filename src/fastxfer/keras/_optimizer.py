@@ -17,6 +17,7 @@ still working on the first ones.
 
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 
@@ -28,7 +29,10 @@ from fastxfer.comm import group
 from fastxfer.keras._distributed import (ACCUMULATORS, PASSES, Settings, accumulate_and_apply, distributed_class,
                                          is_distributed, new_settings, reduce_gradients)
 from fastxfer.keras._layers import SyncBatchNormalization
-from fastxfer.tensorflow.ops import Average, Compression
+from fastxfer.tensorflow.basics import global_process_set
+from fastxfer.tensorflow.compression import Compression
+from fastxfer.tensorflow.ops import Average
+from fastxfer.tensorflow.tape import check_local_layers
 
 
 def _dtype(v):
@@ -111,6 +115,41 @@ def install_trainer_hook() -> None:
     TensorFlowTrainer.make_train_function = make_train_function
 
 
+_LEGACY_COMPILE_KEYWORDS = ("experimental_run_tf_function",)
+_compile_warned = False
+
+
+def install_compile_shim() -> None:
+    """Let Keras 3's Model.compile accept (and ignore) ``experimental_run_tf_function``, which every
+    Horovod Keras script of the TensorFlow 2.0-2.3 era passes (False: "use hvd.DistributedOptimizer
+    to compute gradients"). Keras 3 has no such argument -- its training step always calls the
+    optimizer's apply, which is where fastxfer reduces -- so the keyword is dropped, with a warning
+    on rank 0, and no other keyword is touched. tf-keras accepts the keyword itself. Installed
+    once, for every model, when fastxfer.keras is imported (docs/keras.md, "Old Horovod scripts")."""
+    from keras.src.trainers.trainer import Trainer
+
+    original = Trainer.compile
+    if getattr(original, "_fastxfer_hook", False):
+        return
+
+    @functools.wraps(original)
+    def compile(self, *args, **kwargs):
+        global _compile_warned
+        dropped = [k for k in _LEGACY_COMPILE_KEYWORDS if k in kwargs]
+        for k in dropped:
+            kwargs.pop(k)
+        if dropped and not _compile_warned:
+            _compile_warned = True
+            if not fx.is_initialized() or fx.rank() == 0:
+                warnings.warn(f"fastxfer.keras: Keras 3's Model.compile has no {', '.join(dropped)} argument; it is "
+                              "ignored (Keras 3 always applies gradients through the optimizer, where fastxfer's "
+                              "DistributedOptimizer reduces them)", stacklevel=2)
+        return original(self, *args, **kwargs)
+
+    compile._fastxfer_hook = True
+    Trainer.compile = compile
+
+
 class _DistributedMixin:
     """Methods that the run-time subclass puts in front of the wrapped optimizer's class."""
 
@@ -160,7 +199,7 @@ class _DistributedMixin:
         # a copy built from a config is distributed too (with the default settings: the config
         # is the wrapped class's and holds none of fastxfer's)
         config = dict(config)  # from_config may deserialize entries in place: not in the caller's dict
-        base = cls.__mro__[2]  # the wrapped class (cls -> mixin -> base)
+        base = cls._fastxfer_base  # the wrapped class
         inner = base.from_config(config, custom_objects=custom_objects) if custom_objects else base.from_config(config)
         return DistributedOptimizer(inner)
 
@@ -221,7 +260,8 @@ def _wrap_in_place(optimizer, settings: Settings):
 
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=Compression.none,
                          sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,
-                         average_aggregated_gradients=False, num_groups=0, groups=None, bucket_cap_mb=None):
+                         average_aggregated_gradients=False, num_groups=0, groups=None, process_set=global_process_set,
+                         scale_local_gradients=True, bucket_cap_mb=None):
     """Wrap a Keras optimizer so that it averages gradients across ranks before applying them.
 
     Returns ``optimizer`` itself, its class swapped for a run-time subclass of its class
@@ -229,25 +269,33 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     used. Arguments as Horovod's:
 
     - ``compression``: Compression.none / .bf16 / .fp16: how float32 gradients travel (reduced in
-      float32 either way).
+      float32 either way); or a user compressor (an object or class with Horovod's
+      ``compress(tensor) -> (tensor, ctx)`` and ``decompress(tensor, ctx)``), run in TensorFlow
+      around an uncompressed reduction.
+    - ``sparse_as_dense``: make sparse gradients (tf.IndexedSlices, from embedding lookups) dense
+      and reduce them; by default they are allgathered (values and indices), as Horovod does.
     - ``backward_passes_per_step=k``: accumulate k local gradients, reduce and apply on the k-th
       (k-times fewer reductions); ``average_aggregated_gradients`` divides the sum by k, which
       makes k passes of batch B equal one pass of batch k*B.
     - ``gradient_predivide_factor=f``: divide by f before the sum and by size/f after it.
     - ``op``: Average (default) or Sum.
-    - ``bucket_cap_mb``: fusion bucket size for these gradients (default: ``init``'s, 25 MiB).
+    - ``scale_local_gradients``: gradients of variables registered with ``register_local_var``
+      (or PartialDistributedOptimizer's local layers) are not reduced; with True (Horovod's
+      default) they are divided by the number of ranks.
+    - ``bucket_cap_mb`` (fastxfer's): fusion bucket size for these gradients (default: ``init``'s, 25 MiB).
     - ``device_dense``, ``device_sparse``, ``num_groups``, ``groups`` are accepted for Horovod
       compatibility and have no effect: the engine fuses gradients into buckets by itself and
-      runs on the host. Sparse gradients (IndexedSlices) are always made dense.
+      runs on the host. ``process_set`` must be the global one.
     - ``name``: unused (Keras 3 optimizers keep their own name).
 
-    Under ``mixed_float16`` (set before this call) or given a LossScaleOptimizer, the result is a
-    LossScaleOptimizer that reduces the scaled gradients before its finite check, so every rank
-    skips or applies a step together. Keras's XLA (``jit_compile``) is turned off for the training
-    step, because the reduction runs on the host.
+    The result has ``register_local_var(var)``. Under ``mixed_float16`` (set before this call) or
+    given a LossScaleOptimizer, the result is a LossScaleOptimizer that reduces the scaled
+    gradients before its finite check, so every rank skips or applies a step together. Keras's XLA
+    (``jit_compile``) is turned off for the training step, because the reduction runs on the host.
     """
     settings = new_settings(compression, backward_passes_per_step, average_aggregated_gradients,
-                            gradient_predivide_factor, bucket_cap_mb, op)
+                            gradient_predivide_factor, bucket_cap_mb, op, sparse_as_dense, scale_local_gradients,
+                            process_set)
     if isinstance(optimizer, (keras.optimizers.Optimizer, keras.optimizers.LossScaleOptimizer)):
         return distributed_keras3(optimizer, settings)
     try:
@@ -258,6 +306,28 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         return _legacy.distributed_legacy(optimizer, settings)
     raise TypeError(f"DistributedOptimizer wraps a Keras optimizer (keras.optimizers.* or tf_keras.optimizers.*), "
                     f"not {type(optimizer).__name__}")
+
+
+def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=Compression.none,
+                                sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average,
+                                backward_passes_per_step=1, average_aggregated_gradients=False, groups=None,
+                                process_set=global_process_set, local_layers=None, scale_local_gradients=True,
+                                bucket_cap_mb=None):
+    """A DistributedOptimizer whose ``local_layers`` (a layer or a list of layers) keep their
+    gradients on their rank (their weights may differ between ranks); the other gradients are
+    averaged. The layers' weights are looked up when gradients are applied, so layers built
+    lazily (on the first batch) work too. Other arguments as DistributedOptimizer."""
+    layers = check_local_layers(local_layers)
+    opt = DistributedOptimizer(optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
+                               compression=compression, sparse_as_dense=sparse_as_dense,
+                               gradient_predivide_factor=gradient_predivide_factor, op=op,
+                               backward_passes_per_step=backward_passes_per_step,
+                               average_aggregated_gradients=average_aggregated_gradients, groups=groups,
+                               process_set=process_set, scale_local_gradients=scale_local_gradients,
+                               bucket_cap_mb=bucket_cap_mb)
+    for layer in layers:
+        opt._fastxfer.local.add_layer(layer)
+    return opt
 
 
 def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none, **kwargs):

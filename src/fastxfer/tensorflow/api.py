@@ -1,0 +1,207 @@
+"""Horovod's collectives on tensors with Horovod's signatures: ``allreduce``, ``grouped_allreduce``,
+``allgather``, ``grouped_allgather``, ``broadcast``, ``broadcast_`` -- over ``ops`` (the native
+submit/wait ops), adding what Horovod's front end does in TensorFlow:
+
+- ``op=None`` means Average; ``average=`` (deprecated in Horovod 0.19) still works, and giving both
+  is a ValueError, as in Horovod;
+- tf.IndexedSlices (sparse gradients) are allgathered (values and indices; Average divides the
+  values by the number of ranks) instead of reduced;
+- ``compression=`` takes Horovod's compressor objects, fastxfer's built-ins or any user compressor
+  (compression.py);
+- ``device_dense``, ``device_sparse``, ``ignore_name_scope`` are accepted and have no effect (the
+  collectives run on the host; names are never scoped); ``process_set`` must be the global set.
+
+Collectives that are still being added to the engine (``alltoall``, ``reducescatter``,
+``grouped_reducescatter``, ``join``) are forwarded to ``ops`` when it has them and otherwise raise
+NotImplementedError.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import tensorflow as tf
+
+import fastxfer as fx
+from fastxfer.tensorflow import ops
+from fastxfer.tensorflow.basics import check_process_set, global_process_set
+from fastxfer.tensorflow.compression import Compression, resolve
+
+# Python that builds graphs without data-dependent control flow: nothing for AutoGraph to convert
+_no_autograph = tf.autograph.experimental.do_not_convert
+
+Average, Sum, Min, Max = ops.Average, ops.Sum, ops.Min, ops.Max
+Product = getattr(ops, "Product", "product")
+Adasum = "adasum"
+
+__all__ = ["Adasum", "Average", "Max", "Min", "Product", "Sum", "allgather", "allreduce", "alltoall", "broadcast",
+           "broadcast_", "check_num_rank_power_of_2", "grouped_allgather", "grouped_allreduce",
+           "grouped_reducescatter", "handle_average_backwards_compatibility", "join", "reducescatter"]
+
+
+def handle_average_backwards_compatibility(op, average):
+    """Horovod's rule for the deprecated ``average`` keyword: ``op`` wins, both is an error, neither
+    is Average."""
+    if op is not None:
+        if average is not None:
+            raise ValueError("The op parameter supersedes average. Please provide only one of them.")
+        return op
+    if average is not None:
+        warnings.warn("Parameter `average` has been replaced with `op` and will be removed in v1.0",
+                      DeprecationWarning, stacklevel=3)
+        return Average if average else Sum
+    return Average
+
+
+def check_num_rank_power_of_2(num_rank) -> bool:
+    """Whether num_rank is a power of 2 (Horovod's helper, used for Adasum)."""
+    return num_rank != 0 and (num_rank & (num_rank - 1)) == 0
+
+
+def _op(op, average):
+    op = handle_average_backwards_compatibility(op, average)
+    if isinstance(op, str) and op.lower() == Adasum:
+        raise NotImplementedError("op=Adasum: fastxfer does not implement Adasum; use Average (or Sum)")
+    return ops.check_op(op)
+
+
+def wire_for(tensor, wire: str) -> str:
+    """The engine compresses float32 only; other dtypes travel as they are (Horovod's fp16
+    compressor likewise leaves non-float tensors alone)."""
+    return wire if tensor.dtype == tf.float32 else "none"
+
+
+def _sparse(s: tf.IndexedSlices, op, name, prescale_factor, postscale_factor) -> tf.IndexedSlices:
+    if op not in (Sum, Average):
+        raise NotImplementedError("Only Sum and Average ops are supported with tf.IndexedSlices")
+    if prescale_factor != 1.0 or postscale_factor != 1.0:
+        raise NotImplementedError("Pre/postscale_factor are not supported with tf.IndexedSlices")
+    return gather_slices(s, op, None if name is None else f"{name}.values", None if name is None else f"{name}.indices")
+
+
+def gather_slices(s: tf.IndexedSlices, op, values_name, indices_name) -> tf.IndexedSlices:
+    """An IndexedSlices "reduced" Horovod's way: every rank's values and indices concatenated
+    (duplicate indices add up when applied), the values divided by the number of ranks for Average."""
+    values = ops.allgather(s.values, name=values_name)
+    indices = ops.allgather(s.indices, name=indices_name)
+    if op == Average:
+        values = values / tf.cast(fx.size(), values.dtype)
+    return tf.IndexedSlices(values, indices, dense_shape=s.dense_shape)
+
+
+@_no_autograph
+def allreduce(tensor, average=None, device_dense="", device_sparse="", compression=Compression.none, op=None,
+              prescale_factor=1.0, postscale_factor=1.0, name=None, process_set=global_process_set,
+              ignore_name_scope=False):
+    """Reduce a tensor (or tf.Variable, or tf.IndexedSlices) across all ranks, eagerly or inside a
+    tf.function. ``op``: Average (default), Sum, Min, Max. A tf.IndexedSlices is allgathered
+    (values and indices) instead, as in Horovod."""
+    check_process_set(process_set)
+    op = _op(op, average)
+    if isinstance(tensor, tf.IndexedSlices):
+        return _sparse(tensor, op, name, prescale_factor, postscale_factor)
+    wire, user = resolve(compression)
+    t = tf.convert_to_tensor(tensor)
+    if user is not None:
+        c, ctx = user.compress(t)
+        r = ops.allreduce(c, op=op, compression="none", name=name, prescale_factor=prescale_factor,
+                          postscale_factor=postscale_factor)
+        return user.decompress(r, ctx)
+    return ops.allreduce(t, op=op, compression=wire_for(t, wire), name=name, prescale_factor=prescale_factor,
+                         postscale_factor=postscale_factor)
+
+
+@_no_autograph
+def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", compression=Compression.none,
+                      op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set,
+                      ignore_name_scope=False, name=None, names=None, order=None, bucket_cap_mb=None):
+    """Reduce a list of tensors (fused by the engine); tf.IndexedSlices in the list are allgathered.
+    fastxfer's additions: ``names`` (one per tensor, identical on every rank), ``order`` (a
+    permutation: the order the dense tensors are handed to the engine, e.g. reversed for gradients)
+    and ``bucket_cap_mb``."""
+    check_process_set(process_set)
+    if not tensors:
+        return tensors
+    tensors = list(tensors)
+    op = _op(op, average)
+    n = len(tensors)
+    if names is not None and len(names) != n:
+        raise ValueError(f"{len(names)} names for {n} tensors")
+    if names is None and name is not None:
+        names = [f"{name}.{i}" for i in range(n)]
+    order = list(range(n)) if order is None else list(order)
+    if sorted(order) != list(range(n)):
+        raise ValueError("order must be a permutation of range(len(tensors))")
+    out = [None] * n
+    sparse = [i for i in order if isinstance(tensors[i], tf.IndexedSlices)]
+    dense = [i for i in order if not isinstance(tensors[i], tf.IndexedSlices)]
+    if dense:
+        wire, user = resolve(compression)
+        ts = {i: tf.convert_to_tensor(tensors[i]) for i in dense}
+        ctxs = {}
+        if user is not None:
+            for i in dense:
+                ts[i], ctxs[i] = user.compress(ts[i])
+        wires = {i: ("none" if user is not None else wire_for(ts[i], wire)) for i in dense}
+        for w in dict.fromkeys(wires[i] for i in dense):  # one grouped call per wire format, in `order`
+            idx = [i for i in dense if wires[i] == w]
+            red = ops.grouped_allreduce([ts[i] for i in idx], op=op, compression=w, prescale_factor=prescale_factor,
+                                        postscale_factor=postscale_factor,
+                                        names=None if names is None else [names[i] for i in idx],
+                                        bucket_cap_mb=bucket_cap_mb)
+            for i, r in zip(idx, red):
+                out[i] = user.decompress(r, ctxs[i]) if user is not None else r
+    for i in sparse:
+        out[i] = _sparse(tensors[i], op, None if names is None else names[i], prescale_factor, postscale_factor)
+    return out
+
+
+@_no_autograph
+def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
+    """Concatenation of every rank's tensor along the first dimension (which may differ between ranks)."""
+    check_process_set(process_set)
+    return ops.allgather(tensor, name=name)
+
+
+@_no_autograph
+def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=global_process_set):
+    """allgather of each tensor of a list."""
+    check_process_set(process_set)
+    return [ops.allgather(t, name=None if name is None else f"{name}.{i}") for i, t in enumerate(tensors)]
+
+
+@_no_autograph
+def broadcast(tensor, root_rank=0, name=None, ignore_name_scope=False, process_set=global_process_set):
+    """Every rank gets root_rank's tensor."""
+    check_process_set(process_set)
+    return ops.broadcast(tensor, root_rank, name=name)
+
+
+@_no_autograph
+def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
+    """Broadcast root_rank's values into ``variables`` in place; returns their new values."""
+    check_process_set(process_set)
+    from fastxfer.tensorflow.functions import broadcast_variables
+
+    variables = list(variables) if isinstance(variables, (list, tuple)) else [variables]
+    broadcast_variables(variables, root_rank, name=name)
+    return [tf.convert_to_tensor(v) for v in variables]
+
+
+def _in_progress(fname: str):
+    def forward(*args, **kwargs):
+        impl = getattr(ops, fname, None)
+        if impl is None:
+            raise NotImplementedError(f"{fname}: not available in this fastxfer build yet (being added to the "
+                                      "engine; see docs/tensorflow.md)")
+        return impl(*args, **kwargs)
+
+    forward.__name__ = forward.__qualname__ = fname
+    forward.__doc__ = f"Horovod's {fname}: fastxfer.tensorflow.ops.{fname} when this build has it."
+    return forward
+
+
+alltoall = _in_progress("alltoall")
+reducescatter = _in_progress("reducescatter")
+grouped_reducescatter = _in_progress("grouped_reducescatter")
+join = _in_progress("join")

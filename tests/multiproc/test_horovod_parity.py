@@ -1,0 +1,119 @@
+"""Horovod parity (issue 15), through the launcher on 2 ranks: the names and semantics of
+horovod.tensorflow / horovod.tensorflow.keras that fastxfer adds, each checked against exact values
+(identical weights across ranks, reductions and updates computed by hand), on Keras 3 and on
+tf-keras models; and Horovod's published TensorFlow 2 examples, shortened, run to the end with
+only their import changed (tests/workers/horovod_examples/)."""
+
+import importlib.util
+import os
+import re
+
+import pytest
+
+from _launch import assert_ok, launch, mpi_launch, needs_mpi
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="TensorFlow not installed")
+W = "hvd_parity_worker.py"
+ENV = {"TF_CPP_MIN_LOG_LEVEL": "3"}
+TF_KERAS = pytest.param(
+    "tf-keras", marks=pytest.mark.skipif(importlib.util.find_spec("tf_keras") is None, reason="tf-keras not installed"))
+FLAVOURS = ["keras3", TF_KERAS]
+
+
+def env(flavour):
+    return {**ENV, "TF_USE_LEGACY_KERAS": "1" if flavour == "tf-keras" else "0"}
+
+
+def run_modes(flavour, modes, *args, tags=None):
+    r = launch(2, W, ",".join(modes), *args, env=env(flavour), timeout=600)
+    for tag in tags or modes:
+        assert_ok(r, 2, tag)
+    return r
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_broadcast_callback_lazily_built_model_and_local_variables(flavour):
+    run_modes(flavour, ["lazybcast", "localbcast"])
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_local_layers_keep_their_gradients(flavour):
+    modes = ["partial-fit", "partial-eager", "partial-register", "partialtape-eager", "partialtape-function"]
+    run_modes(flavour, modes, tags=[m.replace("-", " ") for m in modes])
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_learning_rate_callbacks_and_best_model_checkpoint(flavour, tmp_path):
+    run_modes(flavour, ["lrcallbacks"], str(tmp_path))
+    # rank 0 alone wrote, and only at the epochs whose averaged score improved (1, 2 and 4)
+    assert sorted(os.listdir(tmp_path)) == ["best-0-1.h5", "best-0-2.h5", "best-0-4.h5"]
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_queries_and_horovod_signatures(flavour):
+    run_modes(flavour, ["queries", "signatures"])
+
+
+@needs_mpi
+@pytest.mark.parametrize("np_,per_host", [(2, 2), (4, 2)])
+def test_host_queries_under_mpirun(np_, per_host):
+    """cross_rank/cross_size from the layout, mpi_enabled and mpi_threads_supported under mpirun,
+    with hosts emulated by FASTXFER_HOST_ID (one host for 2 ranks, two hosts for 4)."""
+    assert_ok(mpi_launch(np_, W, f"hostqueries-{per_host}", per_host=per_host, env=ENV, timeout=600), np_,
+              "hostqueries")
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_sparse_gradients_allgathered_or_densified(flavour):
+    modes = ["sparse-tape-eager", "sparse-tape-function", "sparse-fit"]
+    r = launch(2, W, ",".join(modes), env=env(flavour), timeout=600)
+    for m in modes:
+        for dense in (False, True):
+            assert_ok(r, 2, f"sparse {m.split('-', 1)[1]} sparse_as_dense={dense}")
+
+
+# -- Horovod's examples, only the import changed ---------------------------------------------------
+
+EXAMPLES = "horovod_examples"
+
+
+def final_lines(r):
+    """The FINAL line each rank prints after training (weights digest, averaged loss), by rank."""
+    found = dict(re.findall(r"^\[\s*(\d+)\] FINAL rank \d+ (.*)$", r.stdout, re.M))
+    assert r.returncode == 0 and sorted(found) == ["0", "1"], r.stdout[-3000:] + r.stderr[-3000:]
+    return found
+
+
+@pytest.mark.parametrize("flavour", [TF_KERAS])  # on Keras 3 it fails before fastxfer: legacy optimizers are gone
+def test_example_tensorflow2_keras_mnist(flavour, tmp_path):
+    r = launch(2, os.path.join(EXAMPLES, "tensorflow2_keras_mnist.py"), env=env(flavour), timeout=600, cwd=tmp_path)
+    final = final_lines(r)
+    assert final["0"] == final["1"], final  # identical weights and averaged loss on both ranks
+    assert "Epoch 3: finished gradual learning rate warmup to 0.002." in r.stdout
+    assert sorted(os.listdir(tmp_path)) == [f"checkpoint-{e}.h5" for e in range(1, 5)]  # rank 0's
+
+
+@pytest.mark.parametrize("flavour", [TF_KERAS])  # calls opt.variables(): a list, not callable, on Keras 3
+def test_example_tensorflow2_mnist(flavour, tmp_path):
+    r = launch(2, os.path.join(EXAMPLES, "tensorflow2_mnist.py"), env=env(flavour), timeout=600, cwd=tmp_path)
+    final = final_lines(r)
+    assert final["0"] == final["1"], final
+    assert "Step #4\tLoss:" in r.stdout and "checkpoints-1.index" in os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("flavour", ["keras3", TF_KERAS])  # on Keras 3 experimental_run_tf_function is its only problem
+def test_example_tensorflow2_keras_synthetic_benchmark(flavour, tmp_path):
+    r = launch(2, os.path.join(EXAMPLES, "tensorflow2_keras_synthetic_benchmark.py"), "--no-cuda", "--fp16-allreduce",
+               env=env(flavour), timeout=600, cwd=tmp_path)
+    final = final_lines(r)
+    assert final["0"] == final["1"], final  # trainable weights identical on both ranks
+    assert re.search(r"Total img/sec on 2 CPU\(s\): [\d.]+ \+-[\d.]+", r.stdout), r.stdout[-2000:]
+
+
+@pytest.mark.parametrize("flavour", [TF_KERAS])  # calls opt.variables(): a list, not callable, on Keras 3
+def test_example_tensorflow2_synthetic_benchmark(flavour, tmp_path):
+    r = launch(2, os.path.join(EXAMPLES, "tensorflow2_synthetic_benchmark.py"), "--no-cuda", "--fp16-allreduce",
+               env=env(flavour), timeout=600, cwd=tmp_path)
+    final = final_lines(r)
+    assert final["0"] == final["1"], final
+    assert re.search(r"Total img/sec on 2 CPU\(s\): [\d.]+ \+-[\d.]+", r.stdout), r.stdout[-2000:]
