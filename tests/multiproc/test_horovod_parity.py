@@ -117,3 +117,11 @@ def test_example_tensorflow2_synthetic_benchmark(flavour, tmp_path):
     final = final_lines(r)
     assert final["0"] == final["1"], final
     assert re.search(r"Total img/sec on 2 CPU\(s\): [\d.]+ \+-[\d.]+", r.stdout), r.stdout[-2000:]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_alltoall_reducescatter_join_front_ends(n):
+    r = launch(n, "hvd_collectives_worker.py")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert sorted(ln.split("] ", 1)[1] for ln in r.stdout.splitlines() if "OK hvd" in ln) == \
+        [f"OK hvd collectives rank {j}" for j in range(n)]

@@ -11,9 +11,8 @@ submit/wait ops), adding what Horovod's front end does in TensorFlow:
 - ``device_dense``, ``device_sparse``, ``ignore_name_scope`` are accepted and have no effect (the
   collectives run on the host; names are never scoped); ``process_set`` must be the global set.
 
-Collectives that are still being added to the engine (``alltoall``, ``reducescatter``,
-``grouped_reducescatter``, ``join``) are forwarded to ``ops`` when it has them and otherwise raise
-NotImplementedError.
+``alltoall``, ``reducescatter`` and ``grouped_reducescatter`` are ``ops``' native collectives with
+Horovod's ``process_set=``; ``join`` is the engine's (fastxfer.join), eagerly.
 """
 
 from __future__ import annotations
@@ -188,20 +187,35 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
     return [tf.convert_to_tensor(v) for v in variables]
 
 
-def _in_progress(fname: str):
-    def forward(*args, **kwargs):
-        impl = getattr(ops, fname, None)
-        if impl is None:
-            raise NotImplementedError(f"{fname}: not available in this fastxfer build yet (being added to the "
-                                      "engine; see docs/tensorflow.md)")
-        return impl(*args, **kwargs)
-
-    forward.__name__ = forward.__qualname__ = fname
-    forward.__doc__ = f"Horovod's {fname}: fastxfer.tensorflow.ops.{fname} when this build has it."
-    return forward
+@_no_autograph
+def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_set=global_process_set):
+    """Horovod's alltoall (fastxfer.tensorflow.ops.alltoall); ``process_set`` must be the global set."""
+    check_process_set(process_set)
+    return ops.alltoall(tensor, splits, name=name, ignore_name_scope=ignore_name_scope)
 
 
-alltoall = _in_progress("alltoall")
-reducescatter = _in_progress("reducescatter")
-grouped_reducescatter = _in_progress("grouped_reducescatter")
-join = _in_progress("join")
+@_no_autograph
+def reducescatter(tensor, device_dense="", compression=Compression.none, op=Average, name=None,
+                  ignore_name_scope=False, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
+    """Horovod's reducescatter (fastxfer.tensorflow.ops.reducescatter); ``process_set``: the global set."""
+    check_process_set(process_set)
+    return ops.reducescatter(tensor, device_dense, compression, op, name, ignore_name_scope, prescale_factor,
+                             postscale_factor)
+
+
+@_no_autograph
+def grouped_reducescatter(tensors, device_dense="", compression=Compression.none, op=Average, process_set=global_process_set,
+                          prescale_factor=1.0, postscale_factor=1.0):
+    """Horovod's grouped_reducescatter (fastxfer.tensorflow.ops.grouped_reducescatter)."""
+    check_process_set(process_set)
+    return ops.grouped_reducescatter(tensors, device_dense, compression, op, prescale_factor, postscale_factor)
+
+
+def join(device="") -> tf.Tensor:
+    """Horovod's join: this rank has no more batches. Until every rank has joined it stands in for
+    the allreduces the others still run (with the op's neutral element; fastxfer.join); returns the
+    rank that joined last as an int32 tensor. Eager only (it blocks the calling thread)."""
+    del device
+    if not tf.executing_eagerly():
+        raise NotImplementedError("join() runs eagerly (call it outside tf.function, after the training loop)")
+    return tf.constant(fx.join(), tf.int32)
