@@ -60,7 +60,7 @@ def test_bench_train_smoke(tmp_path):
     out = tmp_path / "train.json"
     timeline = tmp_path / "timeline.json"
     r = run_command([sys.executable, "-m", "fastxfer.cli", "bench", "train", "--steps", "2", "--warmup", "1",
-                     "--no-peers", "--model", "MobileNetV3Small", "--fixed-steps", "5", "--timeline", str(timeline),
+                     "--no-peers", "--model", "tiny", "--fixed-steps", "5", "--timeline", str(timeline),
                      "--json", str(out)], timeout=1200, env={**os.environ, **ENV})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(out.read_text())
