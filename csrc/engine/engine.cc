@@ -172,19 +172,13 @@ void Engine::wait(uint64_t id) {
     if (!driving_ && !queue_.empty() && fatal_ == ErrorKind::kNone && !stop_ && !stopped_) {
       driving_ = true;
       lk.unlock();
-      bool last = false;
       try {
-        last = run_round();
-      } catch (const PeerFailure& e) {
-        fail_from(ErrorKind::kPeerFailure, e.what());
-      } catch (const Mismatch& e) {
-        fail_from(ErrorKind::kMismatch, e.what());
-      } catch (const std::exception& e) {
-        fail_from(ErrorKind::kEngine, e.what());
+        run_round();  // after the shutdown round the queue stays empty; shutdown() stops the thread
+      } catch (...) {
+        fail_from_current();
       }
       lk.lock();
       driving_ = false;
-      (void)last;  // after the shutdown round the queue stays empty; shutdown() stops the thread
       work_cv_.notify_one();  // the engine thread takes over whatever is queued now
       continue;
     }
@@ -518,6 +512,20 @@ void Engine::fail_from(ErrorKind kind, const std::string& msg) {
   comm_->mark_exited(false, msg.c_str(), kind == ErrorKind::kMismatch);
 }
 
+void Engine::fail_from_current() {
+  try {
+    throw;
+  } catch (const PeerFailure& e) {
+    fail_from(ErrorKind::kPeerFailure, e.what());
+  } catch (const Mismatch& e) {
+    fail_from(ErrorKind::kMismatch, e.what());
+  } catch (const std::exception& e) {
+    fail_from(ErrorKind::kEngine, e.what());
+  } catch (...) {
+    fail_from(ErrorKind::kEngine, "unknown error in a collective round");
+  }
+}
+
 void Engine::loop() {
   try {
     for (;;) {
@@ -550,12 +558,8 @@ void Engine::loop() {
       done_cv_.notify_all();  // waiters whose requests are still queued may drive the next round
       if (last) break;
     }
-  } catch (const PeerFailure& e) {
-    fail_from(ErrorKind::kPeerFailure, e.what());
-  } catch (const Mismatch& e) {
-    fail_from(ErrorKind::kMismatch, e.what());
-  } catch (const std::exception& e) {
-    fail_from(ErrorKind::kEngine, e.what());
+  } catch (...) {
+    fail_from_current();
   }
   std::lock_guard<std::mutex> lk(mu_);
   driving_ = false;

@@ -130,6 +130,7 @@ class Engine {
   // A joined rank's stand-ins for the allreduces its peers still run (engine.cc, "join").
   std::vector<std::unique_ptr<Request>> stand_ins(const std::vector<Record>& recs, size_t n);
   void fail_from(ErrorKind kind, const std::string& msg);  // fail everything and tell the peers
+  void fail_from_current();  // fail_from() for the exception being handled (call in a catch block)
   void run_batch(const std::vector<Request*>& batch, const std::vector<std::vector<Record>>& all);
   void finish(Request* r);
   // Timeline spans of one request that ran from t0 to t1 (before finish(r)).
