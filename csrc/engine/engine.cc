@@ -144,6 +144,7 @@ uint64_t Engine::submit(Request req, bool defer) {
   uint64_t id = req.id;
   status_[id] = Status{};
   queue_.push_back(std::make_unique<Request>(std::move(req)));
+  comm_->set_engine_idle(false);
   if (!defer) {
     work_cv_.notify_one();
     woke = engine_sleeping_;
@@ -179,6 +180,9 @@ void Engine::wait(uint64_t id) {
       }
       lk.lock();
       driving_ = false;
+      // The engine thread may sleep through this (nothing queued): the out-of-band lane's
+      // mismatch check reads this flag, so it must say so now, not at the engine's next wake-up.
+      comm_->set_engine_idle(queue_.empty());
       work_cv_.notify_one();  // the engine thread takes over whatever is queued now
       continue;
     }
@@ -535,11 +539,10 @@ void Engine::loop() {
         std::unique_lock<std::mutex> lk(mu_);
         auto ready = [&] { return (!queue_.empty() && !driving_) || stop_ || fatal_ != ErrorKind::kNone; };
         if (!ready()) {
-          comm_->set_engine_idle(queue_.empty());
+          comm_->set_engine_idle(queue_.empty() && !driving_);
           engine_sleeping_ = true;
           work_cv_.wait(lk, ready);
           engine_sleeping_ = false;
-          comm_->set_engine_idle(false);
         }
         // A failure recorded by another thread (a waiter driving a round, the out-of-band lane)
         // has already been published to the peers, with its kind: nothing more to say here.
@@ -554,6 +557,7 @@ void Engine::loop() {
       {
         std::lock_guard<std::mutex> lk(mu_);
         driving_ = false;
+        comm_->set_engine_idle(queue_.empty());
       }
       done_cv_.notify_all();  // waiters whose requests are still queued may drive the next round
       if (last) break;

@@ -75,7 +75,7 @@ class ShmSegment {
   // so they fail fast instead of waiting for a timeout. `mismatch`: the error was a disagreement
   // between ranks, which the peers then raise as a Mismatch too (with this rank's message).
   void mark_exited(bool clean, const char* why, bool mismatch = false);
-  // Whether this rank's engine thread sits idle with nothing queued (what the out-of-band lane's
+  // Whether nothing is queued on this rank and no thread runs a round (what the out-of-band lane's
   // mismatch check needs to know: docs/algorithms.md, "oob_allreduce").
   void set_engine_idle(bool idle);
   // Makes every wait in progress (and later) throw EngineError.
