@@ -46,7 +46,7 @@ def test_dead_peer_fails_the_others_fast(how, n, compression):
 
 
 def test_silent_peer_times_out():
-    r = launch(2, W, "hang", env={"FASTXFER_TIMEOUT": "2"}, launcher_args=["--grace", "30"])
+    r = launch(2, W, "hang", env={"FASTXFER_TIMEOUT": "2"}, launcher_args=["--grace", "3"])
     m = re.search(r"TIMEOUT rank 0 after ([\d.]+)s: rank 1 stalled: rank 0 waited 2 s for rank 1 \(negotiation\) and "
                   r"rank 1 is alive but has not reached the next collective", r.stdout)
     assert m, r.stdout + r.stderr

@@ -51,6 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-peers", action="store_true", help="skip MultiWorkerMirroredStrategy and Horovod")
     p.add_argument("--timeline", metavar="PATH", help="write the fastxfer bf16 run's timeline (Chrome trace) here")
     p.add_argument("--fixed-steps", type=int, default=300, help="timed steps of the fixed-cost rows (default 300)")
+    p.add_argument("--rows", metavar="KEYS",
+                   help="run only these rows, comma-separated (alone, alone-interop, wide, wide-local, nocomm, none, "
+                        "bf16, bf16-bridge, bf16-pin, fixed-nocomm, fixed-none, fixed-bridge, mwms, horovod); "
+                        "'alone' always runs: every ratio is taken against it (default: all)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON ('-' for stdout)")
 
 
@@ -125,31 +129,42 @@ def _main(args: argparse.Namespace, tmp: str) -> int:
     rows = []  # (name, workers, ms/step)
     wide = 2 * args.batch
     timeline = {"FASTXFER_TIMELINE": os.path.abspath(args.timeline)} if args.timeline else {}
-    plan = [("alone (1 worker)", lambda: _run_fastxfer(args, tmp, "alone", 1), 1),
-            ("alone, default inter-op threads", lambda: _run_fastxfer(args, tmp, "alone-interop", 1), 1),
-            (f"one process, every core, batch {wide}", lambda: _run_fastxfer(args, tmp, "wide", 1, wide, False), 1),
-            (f"one process, every core, batch {args.batch}", lambda: _run_fastxfer(args, tmp, "wide", 1, None, False), 1),
-            ("no-comm (2 independent workers)", lambda: _run_fastxfer(args, tmp, "nocomm", 2), 2),
-            ("fastxfer none", lambda: _run_fastxfer(args, tmp, "none", 2), 2),
-            ("fastxfer bf16", lambda: _run_fastxfer(args, tmp, "bf16", 2, env_extra=timeline), 2),
-            ("fastxfer bf16, numpy_function bridge",
+    plan = [("alone", "alone (1 worker)", lambda: _run_fastxfer(args, tmp, "alone", 1), 1),
+            ("alone-interop", "alone, default inter-op threads", lambda: _run_fastxfer(args, tmp, "alone-interop", 1), 1),
+            ("wide", f"one process, every core, batch {wide}", lambda: _run_fastxfer(args, tmp, "wide", 1, wide, False), 1),
+            ("wide-local", f"one process, every core, batch {args.batch}",
+             lambda: _run_fastxfer(args, tmp, "wide", 1, None, False), 1),
+            ("nocomm", "no-comm (2 independent workers)", lambda: _run_fastxfer(args, tmp, "nocomm", 2), 2),
+            ("none", "fastxfer none", lambda: _run_fastxfer(args, tmp, "none", 2), 2),
+            ("bf16", "fastxfer bf16", lambda: _run_fastxfer(args, tmp, "bf16", 2, env_extra=timeline), 2),
+            ("bf16-bridge", "fastxfer bf16, numpy_function bridge",
              lambda: _run_fastxfer(args, tmp, "bf16", 2, env_extra={"FASTXFER_TF_NATIVE": "0"}), 2),
-            ("fastxfer bf16, submits pinned", lambda: _run_fastxfer(args, tmp, "bf16-pin", 2), 2)]
-    fixed = [("fixed cost: no-comm, 10 small tensors", "nocomm", {}),
-             ("fixed cost: fastxfer none, 10 small tensors", "none", {}),
-             ("fixed cost: fastxfer none, numpy_function bridge", "none", {"FASTXFER_TF_NATIVE": "0"})]
-    for name, kind, env in fixed:
-        plan.append((name, lambda kind=kind, env=env: _run_fastxfer(args, tmp, kind, 2, model="tiny",
-                                                                    steps=args.fixed_steps, env_extra=env), 2))
+            ("bf16-pin", "fastxfer bf16, submits pinned", lambda: _run_fastxfer(args, tmp, "bf16-pin", 2), 2)]
+    fixed = [("fixed-nocomm", "fixed cost: no-comm, 10 small tensors", "nocomm", {}),
+             ("fixed-none", "fixed cost: fastxfer none, 10 small tensors", "none", {}),
+             ("fixed-bridge", "fixed cost: fastxfer none, numpy_function bridge", "none", {"FASTXFER_TF_NATIVE": "0"})]
+    for key, name, kind, env in fixed:
+        plan.append((key, name, lambda kind=kind, env=env: _run_fastxfer(args, tmp, kind, 2, model="tiny",
+                                                                         steps=args.fixed_steps, env_extra=env), 2))
     if not args.no_peers:
         if importlib.util.find_spec("tf_keras") is not None:
-            plan.append(("MWMS (tf-keras)", lambda: _run_mwms(args, tmp), 2))
+            plan.append(("mwms", "MWMS (tf-keras)", lambda: _run_mwms(args, tmp), 2))
         else:
             status("MultiWorkerMirroredStrategy skipped: tf-keras is not installed (pip install tf-keras)")
         if importlib.util.find_spec("horovod") is not None:
-            plan.append(("Horovod", lambda: _run_horovod(args, tmp), 2))
+            plan.append(("horovod", "Horovod", lambda: _run_horovod(args, tmp), 2))
         else:
             status("Horovod skipped: not installed (Horovod 0.28.1 does not build against TF 2.21)")
+    if args.rows:
+        wanted = [k.strip() for k in args.rows.split(",") if k.strip()]
+        known = [key for key, *_ in plan]
+        unknown = [k for k in wanted if k not in known]
+        if unknown:
+            raise SystemExit(f"fastxfer bench train: unknown --rows {', '.join(unknown)}; the rows are "
+                             f"{', '.join(known)}")
+        # every ratio is taken against one bound worker: that row always runs
+        plan = [row for row in plan if row[0] == "alone" or row[0] in wanted]
+    plan = [(name, fn, n) for _, name, fn, n in plan]
     for name, fn, n in plan:
         status(f"{name}: {args.steps} steps of batch {args.batch} x {n} ...")
         try:
