@@ -121,7 +121,8 @@ void bind_engine(py::module_& m) {
                        double timeout_s, double attach_timeout_s, int threads, std::vector<int> cpus,
                        size_t bucket_cap_bytes, int max_records, size_t stream_min_bytes, py::object inter_host,
                        const std::string& timeline_path, int timeline_rank, double spin_us,
-                       double stall_warning_s, const std::string& report_dir) {
+                       double stall_warning_s, const std::string& report_dir, std::vector<int> segment_ranks,
+                       std::vector<int> job_ranks) {
              JobConfig job;
              job.shm.name = name;
              job.shm.rank = rank;
@@ -134,6 +135,8 @@ void bind_engine(py::module_& m) {
              job.shm.spin_us = spin_us;
              job.shm.stall_warning_s = stall_warning_s;
              job.shm.report_dir = report_dir;
+             job.shm.rank_names = std::move(segment_ranks);
+             job.engine.rank_names = std::move(job_ranks);
              job.threads = threads;
              job.stream_min_bytes = stream_min_bytes;
              job.engine.bucket_cap_bytes = bucket_cap_bytes;
@@ -150,7 +153,8 @@ void bind_engine(py::module_& m) {
            py::arg("timeout_s"), py::arg("attach_timeout_s"), py::arg("threads"), py::arg("cpus"),
            py::arg("bucket_cap_bytes"), py::arg("max_records"), py::arg("stream_min_bytes"),
            py::arg("inter_host") = py::none(), py::arg("timeline_path") = "", py::arg("timeline_rank") = 0,
-           py::arg("spin_us") = 50.0, py::arg("stall_warning_s") = 60.0, py::arg("report_dir") = "")
+           py::arg("spin_us") = 50.0, py::arg("stall_warning_s") = 60.0, py::arg("report_dir") = "",
+           py::arg("segment_ranks") = std::vector<int>{}, py::arg("job_ranks") = std::vector<int>{})
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("size", &Engine::size)
       .def_property_readonly("oob_capacity", &Engine::oob_capacity)
@@ -229,13 +233,27 @@ void bind_engine(py::module_& m) {
       .def(
           "make_current", [](std::shared_ptr<Engine> eng) { set_current_engine(std::move(eng)); },
           "Make this the engine that the TensorFlow op library (the C interface) submits to.")
-      .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>());
+      .def(
+          "make_process_set_engine",
+          [](std::shared_ptr<Engine> eng, int id) {
+            if (id <= 0) throw std::invalid_argument("a process set's id is positive");
+            set_process_set_engine(id, std::move(eng));
+          },
+          py::arg("process_set_id"),
+          "Make this the engine of process set `process_set_id` for the TensorFlow op library.")
+      .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>())
+      .def("leave", &Engine::leave, py::arg("why"), py::call_guard<py::gil_scoped_release>(),
+           "Stop without the peers (not collective): they fail at once if they wait for this rank.");
 }
 
 void bind_c_api(py::module_& m) {
   m.def(
       "clear_current_engine", [] { set_current_engine(nullptr); }, py::call_guard<py::gil_scoped_release>(),
       "Detach the C interface from the engine (shutdown): later native submissions fail cleanly.");
+  m.def(
+      "clear_process_set_engine", [](int id) { set_process_set_engine(id, nullptr); },
+      py::call_guard<py::gil_scoped_release>(), py::arg("process_set_id"),
+      "Forget process set `process_set_id`'s engine (remove_process_set): its submissions fail cleanly.");
   m.def(
       "connect_op_library",
       [](const std::string& path) {

@@ -2,6 +2,7 @@
 // engine alive while a submission is handed to it; exceptions never cross into C.
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <shared_mutex>
 #include <stdexcept>
@@ -21,6 +22,7 @@ static_assert(FX_ALLTOALL == static_cast<int>(CollectiveKind::kAlltoall) &&
 
 std::shared_mutex g_mu;
 std::shared_ptr<Engine> g_engine;
+std::map<int, std::shared_ptr<Engine>> g_sets;  // process sets this rank belongs to, by id
 
 void copy_message(char* err, size_t errlen, const std::string& msg) {
   if (err == nullptr || errlen == 0) return;
@@ -73,6 +75,14 @@ int32_t c_submit(const fx_request* q, fx_done_fn done, void* ctx, char* err, siz
       copy_message(err, errlen, "fastxfer is not initialised: call fastxfer.init() first");
       return FX_NOT_INITIALIZED;
     }
+    if (q->process_set != 0) {
+      auto it = g_sets.find(q->process_set);
+      if (it == g_sets.end())
+        throw std::invalid_argument("process set " + std::to_string(q->process_set) +
+                                    " is not registered on this rank (removed, or this rank is not one of its ranks)");
+      it->second->submit(std::move(r));
+      return FX_OK;
+    }
     g_engine->submit(std::move(r));
     return FX_OK;
   } catch (const PeerFailure& e) {
@@ -103,9 +113,23 @@ void set_current_engine(std::shared_ptr<Engine> eng) {
     std::unique_lock<std::shared_mutex> lk(g_mu);
     old = std::move(g_engine);
     g_engine = std::move(eng);
+    if (!g_engine) g_sets.clear();  // shutdown: the process sets' engines went first
   }
   // `old` may be the last reference: destroy it (joining its thread, failing its callbacks)
   // outside the lock, which a callback's continuation may need.
+}
+
+void set_process_set_engine(int id, std::shared_ptr<Engine> eng) {
+  std::shared_ptr<Engine> old;
+  {
+    std::unique_lock<std::shared_mutex> lk(g_mu);
+    auto it = g_sets.find(id);
+    if (it != g_sets.end()) {
+      old = std::move(it->second);
+      g_sets.erase(it);
+    }
+    if (eng) g_sets[id] = std::move(eng);
+  }
 }
 
 const fx_engine_api* engine_c_api() { return &kApi; }

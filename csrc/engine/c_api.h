@@ -3,7 +3,7 @@
  * fastxfer._core at run time (fastxfer_tfops_connect) and submits collectives through it.
  *
  * Requests are asynchronous and callback-driven: `submit` queues the collective on the engine
- * of this process (the one fastxfer.init() started) and returns at once; `done` is called
+ * of this process (the one fastxfer.init() started, or a process set's) and returns at once; `done` is called
  * exactly once, on the engine's thread, when the collective has finished or failed. The input
  * must stay unchanged and both buffers alive until then. A request that `submit` refuses never
  * calls `done`.
@@ -18,7 +18,7 @@
 extern "C" {
 #endif
 
-#define FX_C_API_VERSION 2
+#define FX_C_API_VERSION 3
 
 /* Values of fastxfer::CollectiveKind, DType, ReduceOp and Compression (common/). */
 enum { FX_ALLREDUCE = 0, FX_BROADCAST = 1, FX_ALLGATHER = 2, FX_ALLTOALL = 6, FX_REDUCESCATTER = 7 };
@@ -44,6 +44,8 @@ typedef struct fx_request {
                             arrives in `done`'s `gathered`) */
   const int64_t* splits; /* alltoall: rows sent to each rank (nsplits = size), or NULL: an equal split */
   int32_t nsplits;
+  int32_t process_set;   /* 0: every rank (the job's engine); otherwise a process set this rank belongs
+                            to (fastxfer/comm/process_sets.py), whose own engine runs the collective */
 } fx_request;
 
 /* `gathered`/`gathered_bytes`/`rows`: an allgather's, alltoall's or (out == NULL) reducescatter's

@@ -63,17 +63,27 @@ void Engine::check_process() const {
 }
 
 Engine::~Engine() {
-  if (thread_.joinable()) {
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      stop_ = true;
-    }
-    comm_->abort();
-    work_cv_.notify_all();
-    thread_.join();
-    if (fatal_ == ErrorKind::kNone) comm_->mark_exited(false, "the process left without calling shutdown()");
-  }
+  leave("the process left without calling shutdown()");
   fail_callbacks(ErrorKind::kEngine, "fastxfer's engine was destroyed before this collective ran");
+}
+
+void Engine::leave(const std::string& why) {
+  if (!thread_.joinable()) return;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stop_ = true;
+  }
+  comm_->abort();
+  work_cv_.notify_all();
+  thread_.join();
+  if (fatal_ == ErrorKind::kNone) comm_->mark_exited(false, why.c_str());
+  timeline_.close();
+  fail_callbacks(ErrorKind::kEngine, "fastxfer's engine stopped (" + why + ") before this collective ran");
+}
+
+int Engine::job_rank(int j) const {
+  const auto& names = cfg_.rank_names;
+  return j >= 0 && j < static_cast<int>(names.size()) ? names[j] : j;
 }
 
 void Engine::throw_error(ErrorKind kind, const std::string& msg) const {
@@ -463,7 +473,7 @@ bool Engine::run_round() {
     for (size_t i = 0; i < agreed; ++i) {
       for (int j : active) {
         if (j == ref) continue;
-        std::string diff = compare_records(all[ref][i], ref, all[j][i], j);
+        std::string diff = compare_records(all[ref][i], job_rank(ref), all[j][i], job_rank(j));
         if (!diff.empty())
           throw Mismatch("collective #" + std::to_string(executed_ + i + 1) + ": " + diff +
                          ". Every rank must issue the same collectives, with the same names, shapes, "
@@ -472,8 +482,8 @@ bool Engine::run_round() {
       if (active.size() < all.size() && static_cast<CollectiveKind>(all[ref][i].kind) != CollectiveKind::kAllreduce) {
         std::string who;
         for (int j = 0; j < n; ++j)
-          if (joined(j)) who += (who.empty() ? "" : ", ") + std::to_string(j);
-        throw Mismatch("collective #" + std::to_string(executed_ + i + 1) + ": rank " + std::to_string(ref) +
+          if (joined(j)) who += (who.empty() ? "" : ", ") + std::to_string(job_rank(j));
+        throw Mismatch("collective #" + std::to_string(executed_ + i + 1) + ": rank " + std::to_string(job_rank(ref)) +
                        " submitted " + describe(all[ref][i]) + " but rank(s) " + who +
                        " have joined: while some ranks have joined, the others may only run allreduces");
       }

@@ -29,6 +29,8 @@ struct EngineConfig {
   std::vector<int> cpus;        // pin the engine thread to these CPUs (empty: no pinning)
   std::string timeline_path;    // FASTXFER_TIMELINE (empty: no timeline)
   int timeline_rank = 0;        // the rank the timeline names (its Chrome-trace pid)
+  std::vector<int> rank_names;  // the job rank of each of the engine's ranks, for messages (empty: the
+                                // same numbers; a process set's differ)
 };
 
 enum class ErrorKind : int { kNone = 0, kPeerFailure, kMismatch, kEngine, kInvalid };
@@ -106,8 +108,13 @@ class Engine {
                      double postscale);
   size_t oob_capacity() const { return comm_->oob_capacity(); }
 
+  // The job rank of the engine's rank j (what messages name).
+  int job_rank(int j) const;
   // Collective: every rank must call it. Drains the queue, then stops the thread.
   void shutdown();
+  // Not collective: stop now, telling the peers this rank left (`why`); a peer that waits for it
+  // then fails at once. What the destructor does, on demand (a process set's engine at exit).
+  void leave(const std::string& why);
   bool running() const;
   // Read while the engine runs: approximate (not synchronised with the engine thread).
   CommStats stats() const { return comm_->stats(); }
@@ -183,6 +190,8 @@ std::shared_ptr<Engine> start_engine(const JobConfig& job, std::shared_ptr<Inter
 // The engine that the C interface (engine/c_api.h) submits to: fastxfer.init() makes its engine
 // current, shutdown() clears it (nullptr), after which C submissions fail with FX_NOT_INITIALIZED.
 void set_current_engine(std::shared_ptr<Engine> eng);
+// The engine of process set `id` (> 0) that the C interface submits to; null forgets it.
+void set_process_set_engine(int id, std::shared_ptr<Engine> eng);
 const fx_engine_api* engine_c_api();
 
 }  // namespace fastxfer

@@ -11,9 +11,10 @@ background engine that reduces over shared memory.
 """
 
 from fastxfer import _core
-from fastxfer.comm import (Handle, allgather, allreduce, allreduce_async, alltoall, alltoall_async, barrier, broadcast,
-                           broadcast_object, engine_stats, grouped_reducescatter, init, is_initialized, join,
-                           local_rank, local_size, oob_allreduce, rank, reducescatter, shutdown, size)
+from fastxfer.comm import (Handle, ProcessSet, add_process_set, allgather, allgather_object, allreduce, allreduce_async,
+                           alltoall, alltoall_async, barrier, broadcast, broadcast_object, engine_stats,
+                           global_process_set, grouped_reducescatter, init, is_initialized, join, local_rank,
+                           local_size, oob_allreduce, rank, reducescatter, remove_process_set, shutdown, size)
 from fastxfer.compression import compress, decompress
 from fastxfer.errors import FastxferError, MismatchError, PeerFailureError
 
@@ -37,7 +38,10 @@ def supported_simd_levels() -> list[str]:
 __all__ = [
     "FastxferError",
     "Handle",
+    "ProcessSet",
+    "add_process_set",
     "allgather",
+    "allgather_object",
     "allreduce",
     "allreduce_async",
     "alltoall",
@@ -46,6 +50,7 @@ __all__ = [
     "broadcast",
     "broadcast_object",
     "engine_stats",
+    "global_process_set",
     "grouped_reducescatter",
     "init",
     "is_initialized",
@@ -55,6 +60,7 @@ __all__ = [
     "oob_allreduce",
     "rank",
     "reducescatter",
+    "remove_process_set",
     "shutdown",
     "size",
     "MismatchError",

@@ -174,7 +174,7 @@ std::string dir_of(const std::string& path) {
 
 ShmSegment::ShmSegment(const ShmConfig& cfg) : cfg_(cfg), path_(path_of(cfg.name)) {
   if (cfg_.size < 1 || cfg_.rank < 0 || cfg_.rank >= cfg_.size)
-    throw std::invalid_argument("bad rank " + std::to_string(cfg_.rank) + " of " + std::to_string(cfg_.size));
+    throw std::invalid_argument("bad " + label(cfg_.rank) + " of " + std::to_string(cfg_.size));
   layout();
 
   const bool creator = cfg_.rank == 0;
@@ -330,7 +330,7 @@ void ShmSegment::open_existing(double deadline) {
       throw EngineError("cannot open shared-memory segment " + path_ + ": " + errno_str(errno));
     }
     if (now_s() > deadline)
-      throw PeerFailure("rank " + std::to_string(cfg_.rank) + " did not find the job's shared memory (" + path_ +
+      throw PeerFailure(label(cfg_.rank) + " did not find the job's shared memory (" + path_ +
                         ") within " + std::to_string(static_cast<int>(cfg_.attach_timeout_s)) +
                         " s: rank 0 never started or failed first (see its error), the ranks called "
                         "fastxfer.init() different numbers of times, or they are not on one host (several "
@@ -356,7 +356,7 @@ void ShmSegment::attach(bool creator, double deadline) {
     if (h->size != cfg_.size || h->max_records != cfg_.max_records || h->window_bytes != cfg_.window_bytes ||
         h->oob_bytes != cfg_.oob_bytes)
       throw Mismatch("ranks disagree on the job layout: rank 0 has size=" + std::to_string(h->size) +
-                     " window=" + std::to_string(h->window_bytes) + ", rank " + std::to_string(cfg_.rank) +
+                     " window=" + std::to_string(h->window_bytes) + ", " + label(cfg_.rank) +
                      " has size=" + std::to_string(cfg_.size) + " window=" + std::to_string(cfg_.window_bytes));
   }
   Control& me = ctl(cfg_.rank);
@@ -368,7 +368,7 @@ void ShmSegment::attach(bool creator, double deadline) {
     for (int j = 0; j < cfg_.size; ++j) {
       Control& c = ctl(j);
       if (c.state.load() >= 1 && !shm::process_alive(c.pid))
-        throw PeerFailure("rank " + std::to_string(j) + " died while the job was starting");
+        throw PeerFailure(label(j) + " died while the job was starting");
     }
     if (now_s() > deadline)
       throw PeerFailure("only " + std::to_string(h->attached.value.load()) + " of " + std::to_string(cfg_.size) +
@@ -387,6 +387,12 @@ ShmSegment::~ShmSegment() {
   if (base_) munmap(base_, total_);
   if (fd_ >= 0) close(fd_);
 }
+
+int ShmSegment::job_rank(int j) const {
+  return j >= 0 && j < static_cast<int>(cfg_.rank_names.size()) ? cfg_.rank_names[j] : j;
+}
+
+std::string ShmSegment::label(int j) const { return "rank " + std::to_string(job_rank(j)); }
 
 void ShmSegment::set_engine_idle(bool idle) { ctl(cfg_.rank).engine_idle.store(idle ? 1 : 0, std::memory_order_release); }
 
@@ -426,8 +432,8 @@ int ShmSegment::stalled_rank(int j, std::string* doing) const {
     what = "is stopped (SIGSTOP or a debugger)";
   } else if (c.waits[0].phase1.load() || c.waits[1].phase1.load()) {
     const int l = c.waits[0].phase1.load() ? 0 : 1;
-    what = "is itself waiting (" + std::string(phase_what(c.waits[l].phase1.load())) + ") for rank " +
-           std::to_string(c.waits[l].peer.load()) + ": the ranks wait for each other";
+    what = "is itself waiting (" + std::string(phase_what(c.waits[l].phase1.load())) + ") for " +
+           label(c.waits[l].peer.load()) + ": the ranks wait for each other";
   } else {
     what = "is alive but has not reached the next collective (still computing, or hung outside fastxfer)";
   }
@@ -439,11 +445,11 @@ int ShmSegment::stalled_rank(int j, std::string* doing) const {
 void ShmSegment::report_stall(int culprit, const std::string& msg) const {
   // For `fastxfer run`: the rank that gives up is not the culprit; the report says which one is.
   if (cfg_.report_dir.empty()) return;
-  const std::string path = cfg_.report_dir + "/stall." + std::to_string(cfg_.rank);
+  const std::string path = cfg_.report_dir + "/stall." + std::to_string(job_rank(cfg_.rank));
   const std::string tmp = path + ".tmp";
   int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
   if (fd < 0) return;
-  const std::string text = std::to_string(culprit) + "\n" + msg + "\n";
+  const std::string text = std::to_string(job_rank(culprit)) + "\n" + msg + "\n";
   bool ok = write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
   close(fd);
   if (ok) rename(tmp.c_str(), path.c_str());
@@ -490,9 +496,9 @@ void ShmSegment::check_lanes(Phase phase, int j, WaitInfo& info) {
   const uint32_t n = std::min<uint32_t>(*record_count(eng_rank, buf), static_cast<uint32_t>(cfg_.max_records));
   std::string theirs = n ? describe(records(eng_rank, buf)[0]) : std::string("a collective");
   oob_rec.name[sizeof(oob_rec.name) - 1] = 0;
-  throw Mismatch("rank " + std::to_string(oob_rank) + " called oob_allreduce '" + std::string(oob_rec.name) +
-                 "' but rank " + std::to_string(eng_rank) + " did not: it issued " + theirs +
-                 " and waits for rank " + std::to_string(oob_rank) +
+  throw Mismatch(label(oob_rank) + " called oob_allreduce '" + std::string(oob_rec.name) +
+                 "' but " + label(eng_rank) + " did not: it issued " + theirs +
+                 " and waits for " + label(oob_rank) +
                  ". Every rank must call oob_allreduce at the same point of its sequence of collectives");
 }
 
@@ -505,25 +511,25 @@ void ShmSegment::check_peers(int waiting_for, Phase phase, const char* what, dou
     if (st == 3) {
       std::string why(c.why, strnlen(c.why, sizeof(c.why)));
       if (c.mismatch.load(std::memory_order_relaxed)) throw Mismatch(why);
-      throw PeerFailure("rank " + std::to_string(j) + " failed: " + why);
+      throw PeerFailure(label(j) + " failed: " + why);
     }
     if (st == 2 && j == waiting_for)
-      throw PeerFailure("rank " + std::to_string(j) + " has shut down while rank " + std::to_string(cfg_.rank) +
+      throw PeerFailure(label(j) + " has shut down while " + label(cfg_.rank) +
                         " still waits for it (" + what + "): the ranks did not issue the same collectives");
     if (st != 2 && !shm::process_alive(c.pid))
-      throw PeerFailure("rank " + std::to_string(j) + " (pid " + std::to_string(c.pid.pid) + ") died during " + what);
+      throw PeerFailure(label(j) + " (pid " + std::to_string(c.pid.pid) + ") died during " + what);
   }
   if (waited_s > 0.5) check_lanes(phase, waiting_for, info);
   const bool warn = !info.warned && waited_s > cfg_.stall_warning_s && cfg_.stall_warning_s < cfg_.timeout_s;
   if (warn || waited_s > cfg_.timeout_s) {
     std::string doing;
     const int culprit = stalled_rank(waiting_for, &doing);
-    const std::string who = "rank " + std::to_string(culprit);
+    const std::string who = label(culprit);
     if (warn) {
       info.warned = true;
-      const std::string msg = "rank " + std::to_string(cfg_.rank) + " has waited " +
-                              std::to_string(static_cast<int>(waited_s)) + " s for rank " +
-                              std::to_string(waiting_for) + " (" + what + "); " + who + " " + doing +
+      const std::string msg = label(cfg_.rank) + " has waited " +
+                              std::to_string(static_cast<int>(waited_s)) + " s for " +
+                              label(waiting_for) + " (" + what + "); " + who + " " + doing +
                               ". It is declared failed after FASTXFER_TIMEOUT=" +
                               std::to_string(static_cast<int>(cfg_.timeout_s)) + " s";
       std::fprintf(stderr, "fastxfer: stall: %s\n", msg.c_str());
@@ -538,12 +544,12 @@ void ShmSegment::check_peers(int waiting_for, Phase phase, const char* what, dou
       return "ready=" + v(Phase::kReady) + " reduced=" + v(Phase::kReduced) + " consumed=" + v(Phase::kConsumed) +
              " round=" + v(Phase::kRound);
     };
-    const std::string msg = who + " stalled: rank " + std::to_string(cfg_.rank) + " waited " +
-                            std::to_string(static_cast<int>(cfg_.timeout_s)) + " s for rank " +
-                            std::to_string(waiting_for) + " (" + what + ") and " + who + " " + doing +
-                            "; raise FASTXFER_TIMEOUT if ranks legitimately drift apart this far [rank " +
-                            std::to_string(cfg_.rank) + ": " + counters(me) + "; rank " +
-                            std::to_string(waiting_for) + ": " + counters(them) + "]";
+    const std::string msg = who + " stalled: " + label(cfg_.rank) + " waited " +
+                            std::to_string(static_cast<int>(cfg_.timeout_s)) + " s for " +
+                            label(waiting_for) + " (" + what + ") and " + who + " " + doing +
+                            "; raise FASTXFER_TIMEOUT if ranks legitimately drift apart this far [" +
+                            label(cfg_.rank) + ": " + counters(me) + "; " +
+                            label(waiting_for) + ": " + counters(them) + "]";
     report_stall(culprit, msg);
     throw PeerFailure(msg);
   }

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "common/request.h"
 #include "transport/shm/sync.h"
@@ -28,6 +29,8 @@ struct ShmConfig {
   double spin_us = 50;              // how long a wait spins before it sleeps (FASTXFER_SPIN_US)
   double stall_warning_s = 60;      // a wait this long warns once, naming the rank that stalls
   std::string report_dir;           // where the launcher collects stall reports (FASTXFER_REPORT_DIR)
+  std::vector<int> rank_names;      // the job rank of each rank of the segment, for messages (empty:
+                                    // the same numbers; a process set's or another host's differ)
 };
 
 // The counters each rank publishes, one per protocol phase. What a phase means is the business of
@@ -78,6 +81,9 @@ class ShmSegment {
   // Whether nothing is queued on this rank and no thread runs a round (what the out-of-band lane's
   // mismatch check needs to know: docs/algorithms.md, "oob_allreduce").
   void set_engine_idle(bool idle);
+  // "rank N" for the segment's rank j, N its rank in the job (what users see in messages).
+  std::string label(int j) const;
+  int job_rank(int j) const;
   // Makes every wait in progress (and later) throw EngineError.
   void abort() { aborted_.store(true); }
 

@@ -1,6 +1,10 @@
 """Collectives on numpy arrays: allreduce (sync and async), oob_allreduce, broadcast, allgather,
-alltoall, reducescatter (and grouped), barrier. Every rank must issue the same collectives in the same order; names (automatic if not
-given) and shapes are checked, and a disagreement raises MismatchError on every rank."""
+alltoall, reducescatter (and grouped), barrier, broadcast_object, allgather_object. Every rank must
+issue the same collectives in the same order; names (automatic if not given) and shapes are
+checked, and a disagreement raises MismatchError on every rank.
+
+Every collective takes ``process_set=``: None (every rank) or a registered ProcessSet
+(comm/process_sets.py), whose ranks alone then take part, on that set's own engine."""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import numpy as np
 
 from fastxfer import _core
 from fastxfer import _validate as check
-from fastxfer.comm import group
+from fastxfer.comm import group, process_sets
 
 _lock = threading.Lock()
 _counters: dict[str, itertools.count] = {}
@@ -41,10 +45,21 @@ def _fresh_like(a: np.ndarray) -> np.ndarray:
     return np.empty_like(a)
 
 
-def _auto_name(kind: str) -> str:
+def _auto_name(kind: str, ps=None) -> str:
+    # numbered per process set: only a set's ranks call its collectives
+    key = kind if ps is None else f"{kind}.set{ps.process_set_id}"
     with _lock:
-        c = _counters.setdefault(kind, itertools.count())
-        return f"{kind}.{next(c)}"
+        c = _counters.setdefault(key, itertools.count())
+        return f"{key}.{next(c)}"
+
+
+def _group_of(process_set):
+    """(the resolved set or None, its size, its ranks or None for every rank)."""
+    ps = process_sets.resolve(process_set)
+    if ps is None:
+        return None, group.size(), None
+    ranks = ps.ranks
+    return ps, len(ranks), ranks
 
 
 def _sweep(eng) -> None:
@@ -96,10 +111,10 @@ class Handle:
 
 
 def _submit(kind: str, name, arr, out, op="sum", compression="none", root=0, prescale=1.0, postscale=1.0,
-            shape=None, dtype=None, bucket_cap=0, sync=False, splits=()) -> Handle:
-    eng = group.engine()
+            shape=None, dtype=None, bucket_cap=0, sync=False, splits=(), ps=None) -> Handle:
+    eng = process_sets.engine_of(ps)
     if name is None:
-        name = _auto_name(kind)
+        name = _auto_name(kind, ps)
     elif not isinstance(name, str):
         raise TypeError(f"name must be a str, not {type(name).__name__}")
     with _lock:
@@ -113,7 +128,7 @@ def _submit(kind: str, name, arr, out, op="sum", compression="none", root=0, pre
 
 def allreduce_async(array, op: str = "average", compression: str = "none", name: str | None = None,
                     prescale: float = 1.0, postscale: float = 1.0, out: np.ndarray | None = None,
-                    bucket_cap_mb: float | None = None) -> Handle:
+                    bucket_cap_mb: float | None = None, process_set=None) -> Handle:
     """Start reducing ``array`` across all ranks; returns a Handle whose ``wait()`` gives a new array.
 
     ``op``: sum, average, min or max. ``compression``: none, bf16 or fp16 — float32 only: the data
@@ -124,23 +139,25 @@ def allreduce_async(array, op: str = "average", compression: str = "none", name:
     longer need and the next call of the same size reuses their memory.
     The input must stay unchanged until ``wait()`` returns. ``bucket_cap_mb``: the fusion bucket
     cap for this request (consecutive requests fuse only when their caps agree; every rank must
-    pass the same value); None uses ``init``'s.
+    pass the same value); None uses ``init``'s. ``process_set``: reduce among that set's ranks
+    only (an average divides by its size).
     """
-    return _allreduce(array, op, compression, name, prescale, postscale, out, bucket_cap_mb, False)
+    return _allreduce(array, op, compression, name, prescale, postscale, out, bucket_cap_mb, False, process_set)
 
 
-def _allreduce(array, op, compression, name, prescale, postscale, out, bucket_cap_mb, sync) -> Handle:
+def _allreduce(array, op, compression, name, prescale, postscale, out, bucket_cap_mb, sync, process_set) -> Handle:
+    ps, n, _ = _group_of(process_set)
     a = check.array(array)
     op, compression, prescale, post, cap = allreduce_settings(a.dtype, op, compression, prescale, postscale,
-                                                              bucket_cap_mb)
+                                                              bucket_cap_mb, n)
     out = _fresh_like(a) if out is None else check.out_like(out, a)
-    return _submit("allreduce", name, a, out, op, compression, 0, prescale, post, bucket_cap=cap, sync=sync)
+    return _submit("allreduce", name, a, out, op, compression, 0, prescale, post, bucket_cap=cap, sync=sync, ps=ps)
 
 
-def allreduce_settings(dtype, op, compression, prescale, postscale, bucket_cap_mb):
+def allreduce_settings(dtype, op, compression, prescale, postscale, bucket_cap_mb, size=None):
     """Checks an allreduce's options for arrays of ``dtype`` and returns what the engine is given:
     (op, compression, prescale, postscale, bucket cap in bytes), the postscale including the
-    1/size of an average. Shared by the numpy and the TensorFlow collectives, so both describe
+    1/size of an average (``size``: the ranks taking part, default every rank). Shared by the numpy and the TensorFlow collectives, so both describe
     (and compute) the same reduction."""
     dtype = np.dtype(dtype)
     op = check.op(op)
@@ -159,21 +176,23 @@ def allreduce_settings(dtype, op, compression, prescale, postscale, bucket_cap_m
             raise TypeError(f"{dtype.name} arrays cannot be scaled")
     if dtype in (check.DTYPES["float16"], check.DTYPES["bfloat16"]) and prescale != 1.0:
         raise ValueError(f"prescale is not supported for {dtype.name} arrays (scale in float32 first)")
-    post = postscale / group.size() if op == "average" else postscale
+    post = postscale / (group.size() if size is None else size) if op == "average" else postscale
     return op, compression, float(prescale), float(post), check.bucket_cap_bytes(bucket_cap_mb)
 
 
 def allreduce(array, op: str = "average", compression: str = "none", name: str | None = None,
               prescale: float = 1.0, postscale: float = 1.0, out: np.ndarray | None = None,
-              bucket_cap_mb: float | None = None) -> np.ndarray:
+              bucket_cap_mb: float | None = None, process_set=None) -> np.ndarray:
     """Reduce ``array`` across all ranks and return the result (see allreduce_async)."""
-    return _allreduce(array, op, compression, name, prescale, postscale, out, bucket_cap_mb, True).wait()
+    return _allreduce(array, op, compression, name, prescale, postscale, out, bucket_cap_mb, True,
+                      process_set).wait()
 
 
-def oob_allreduce(array, op: str = "average", name: str | None = None) -> np.ndarray:
+def oob_allreduce(array, op: str = "average", name: str | None = None, process_set=None) -> np.ndarray:
     """Reduce a small array (metrics, flags) on a lane of its own: it never waits behind gradient
     buckets. Runs on the calling thread; the GIL is released while waiting."""
-    eng = group.engine()
+    ps, n, _ = _group_of(process_set)
+    eng = process_sets.engine_of(ps)
     a = check.array(array)
     op = check.op(op)
     if a.dtype.kind == "b" and op == "average":
@@ -182,30 +201,44 @@ def oob_allreduce(array, op: str = "average", name: str | None = None) -> np.nda
         raise ValueError(f"oob_allreduce is for small arrays (at most {eng.oob_capacity} bytes); this one has "
                          f"{a.nbytes}: use allreduce")
     out = np.empty_like(a)
-    post = 1.0 / group.size() if op == "average" else 1.0
-    eng.oob_allreduce(a, out, name if name is not None else _auto_name("oob_allreduce"), op, post)
+    post = 1.0 / n if op == "average" else 1.0
+    eng.oob_allreduce(a, out, name if name is not None else _auto_name("oob_allreduce", ps), op, post)
     return out
 
 
-def broadcast(array, root: int = 0, name: str | None = None) -> np.ndarray:
-    """Every rank gets a copy of ``root``'s array (shapes and dtypes must match on all ranks)."""
-    a = check.array(array)
+def root_index(root, ranks) -> int:
+    """A broadcast's root (a rank of the job) as the engine numbers it: its position in the
+    process set's ``ranks`` (None: every rank, the rank itself). ValueError when it is not one."""
     size = group.size()
     if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < size:
         raise ValueError(f"root must be a rank in 0..{size - 1}, not {root!r}")
+    if ranks is None:
+        return int(root)
+    if int(root) not in ranks:
+        raise ValueError(f"root rank {root} is not in the process set (ranks {ranks})")
+    return ranks.index(int(root))
+
+
+def broadcast(array, root: int = 0, name: str | None = None, process_set=None) -> np.ndarray:
+    """Every rank gets a copy of ``root``'s array (shapes and dtypes must match on all ranks).
+    In a process set, ``root`` is a rank of the job that belongs to the set."""
+    ps, _, ranks = _group_of(process_set)
+    a = check.array(array)
+    r = root_index(root, ranks)
     out = _fresh_like(a)
-    return _submit("broadcast", name, a, out, root=int(root), sync=True).wait()
+    return _submit("broadcast", name, a, out, root=r, sync=True, ps=ps).wait()
 
 
-def allgather(array, name: str | None = None) -> np.ndarray:
+def allgather(array, name: str | None = None, process_set=None) -> np.ndarray:
     """Concatenate every rank's array along axis 0, in rank order. First dimensions may differ;
     the other dimensions and the dtype must match."""
+    ps, _, _ = _group_of(process_set)
     a = check.array(array)
     if a.ndim == 0:
         raise ValueError("allgather needs at least one dimension (concatenates along axis 0); use a[None]")
     if a.ndim > 8:
         raise ValueError(f"allgather supports at most 8 dimensions, not {a.ndim}; reshape first")
-    return _submit("allgather", name, a, None, shape=a.shape, dtype=a.dtype, sync=True).wait()
+    return _submit("allgather", name, a, None, shape=a.shape, dtype=a.dtype, sync=True, ps=ps).wait()
 
 
 def _first_dim(a: np.ndarray, what: str) -> None:
@@ -226,55 +259,61 @@ def split_counts(splits) -> list[int]:
     return [int(v) for v in s]
 
 
-def alltoall_async(array, splits=None, name: str | None = None) -> Handle:
+def alltoall_async(array, splits=None, name: str | None = None, process_set=None) -> Handle:
     """Start an alltoall (see alltoall); ``wait()`` returns (received, received_splits)."""
+    ps, _, _ = _group_of(process_set)
     a = check.array(array)
     _first_dim(a, "alltoall")
-    return _submit("alltoall", name, a, None, shape=a.shape, dtype=a.dtype, splits=split_counts(splits))
+    return _submit("alltoall", name, a, None, shape=a.shape, dtype=a.dtype, splits=split_counts(splits), ps=ps)
 
 
-def alltoall(array, splits=None, name: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+def alltoall(array, splits=None, name: str | None = None, process_set=None) -> tuple[np.ndarray, np.ndarray]:
     """Horovod's alltoall: rank r sends rows [s_0 + ... + s_{j-1}, ... + s_j) of ``array`` (axis 0)
     to rank j, where ``splits`` = [s_0, ..., s_{size-1}] (default: an equal split, the first
     dimension divisible by size). Returns (received, received_splits): the rows every rank sent
     here, concatenated in rank order, and how many came from each rank (int64). Ranks' splits
-    and first dimensions may differ; the other dimensions and the dtype must match."""
+    and first dimensions may differ; the other dimensions and the dtype must match. In a process
+    set, ``splits`` has one entry per rank of the set, in the set's order."""
+    ps, _, _ = _group_of(process_set)
     a = check.array(array)
     _first_dim(a, "alltoall")
     return _submit("alltoall", name, a, None, shape=a.shape, dtype=a.dtype, sync=True,
-                   splits=split_counts(splits)).wait()
+                   splits=split_counts(splits), ps=ps).wait()
 
 
-def _reducescatter(array, op, name, prescale, postscale, sync) -> Handle:
+def _reducescatter(array, op, name, prescale, postscale, sync, process_set) -> Handle:
+    ps, n, _ = _group_of(process_set)
     a = check.array(array)
     _first_dim(a, "reducescatter")
     op = check.op(op)
     if op not in ("sum", "average"):
         raise ValueError(f"reducescatter takes op 'sum' or 'average', not {op!r}")
-    op, _, pre, post, _ = allreduce_settings(a.dtype, op, "none", prescale, postscale, None)
-    return _submit("reducescatter", name, a, None, op, "none", 0, pre, post, shape=a.shape, dtype=a.dtype, sync=sync)
+    op, _, pre, post, _ = allreduce_settings(a.dtype, op, "none", prescale, postscale, None, n)
+    return _submit("reducescatter", name, a, None, op, "none", 0, pre, post, shape=a.shape, dtype=a.dtype, sync=sync,
+                   ps=ps)
 
 
 def reducescatter(array, op: str = "average", name: str | None = None, prescale: float = 1.0,
-                  postscale: float = 1.0) -> np.ndarray:
+                  postscale: float = 1.0, process_set=None) -> np.ndarray:
     """Horovod's reducescatter: reduce ``array`` (same shape on every rank) across ranks and return
     this rank's rows of the result. The first dimension is split as evenly as possible, the first
     (rows mod size) ranks getting one row more. ``op``: average or sum. Pre- and post-scale
     multiply the reduced values once (their product), after the sum."""
-    return _reducescatter(array, op, name, prescale, postscale, True).wait()
+    return _reducescatter(array, op, name, prescale, postscale, True, process_set).wait()
 
 
 def grouped_reducescatter(arrays, op: str = "average", name: str | None = None, prescale: float = 1.0,
-                          postscale: float = 1.0) -> list[np.ndarray]:
+                          postscale: float = 1.0, process_set=None) -> list[np.ndarray]:
     """reducescatter of every array in the list, all submitted before any is waited for."""
-    hs = [_reducescatter(a, op, None if name is None else f"{name}.{i}", prescale, postscale, False)
+    hs = [_reducescatter(a, op, None if name is None else f"{name}.{i}", prescale, postscale, False, process_set)
           for i, a in enumerate(arrays)]
     return [h.wait() for h in hs]
 
 
-def barrier() -> None:
-    """Returns once every rank has called barrier()."""
-    _submit("barrier", "barrier", None, None, sync=True).wait()
+def barrier(process_set=None) -> None:
+    """Returns once every rank (of the process set) has called barrier()."""
+    ps, _, _ = _group_of(process_set)
+    _submit("barrier", "barrier", None, None, sync=True, ps=ps).wait()
 
 
 def join() -> int:
@@ -291,17 +330,33 @@ def join() -> int:
     return int(_submit("join", "join", None, None, sync=True).wait())
 
 
-def broadcast_object(obj, root: int = 0):
+def broadcast_object(obj, root: int = 0, name: str | None = None, process_set=None):
     """Broadcast a picklable Python object from ``root`` (small objects: options, epoch numbers)."""
     me = group.rank()
     if me == root:
         data = pickle.dumps(obj)
         words = np.frombuffer(data + b"\0" * (-len(data) % 8), np.int64)
-    n = int(broadcast(np.array([len(data) if me == root else 0], np.int64), root=root)[0])
-    got = broadcast(words if me == root else np.zeros((n + 7) // 8, np.int64), root=root)
+    n = int(broadcast(np.array([len(data) if me == root else 0], np.int64), root=root,
+                      name=None if name is None else f"{name}.size", process_set=process_set)[0])
+    got = broadcast(words if me == root else np.zeros((n + 7) // 8, np.int64), root=root,
+                    name=None if name is None else f"{name}.data", process_set=process_set)
     return obj if me == root else pickle.loads(got.tobytes()[:n])
 
 
-__all__ = ["Handle", "allgather", "allreduce", "allreduce_async", "allreduce_settings", "alltoall", "alltoall_async",
-           "barrier", "broadcast", "broadcast_object", "grouped_reducescatter", "join", "oob_allreduce",
+def allgather_object(obj, name: str | None = None, process_set=None) -> list:
+    """Every rank's picklable object, in rank order (of the process set)."""
+    data = pickle.dumps(obj)
+    sizes = allgather(np.array([len(data)], np.int64), name=None if name is None else f"{name}.sizes",
+                      process_set=process_set)
+    words = np.frombuffer(data + b"\0" * (-len(data) % 8), np.int64)
+    got = allgather(words, name=None if name is None else f"{name}.data", process_set=process_set).tobytes()
+    out, off = [], 0
+    for n in sizes.tolist():
+        out.append(pickle.loads(got[off:off + n]))
+        off += n + (-n % 8)
+    return out
+
+
+__all__ = ["Handle", "allgather", "allgather_object", "allreduce", "allreduce_async", "allreduce_settings", "alltoall",
+           "alltoall_async", "barrier", "broadcast", "broadcast_object", "root_index", "grouped_reducescatter", "join", "oob_allreduce",
            "reducescatter", "split_counts"]

@@ -44,6 +44,11 @@ class Layout:
     source: str   # which launcher the layout came from
     hosts: int = 1
     inter_host: MPIInterHost | None = None  # the link between hosts when the job spans several
+    host_of: tuple[int, ...] = ()  # each rank's host index (hosts in order of their lowest rank)
+    mpi_comm: object = None  # COMM_WORLD when the layout came from an MPI rendezvous
+
+    def host_of_rank(self, r: int) -> int:
+        return self.host_of[r] if self.host_of else 0
 
 
 def host_identity() -> str:
@@ -114,7 +119,8 @@ def _mpi_rendezvous(rank: int, size: int, source: str) -> Layout:
     if len(order) > 1:
         inter = MPIInterHost(comm, mine.index(rank), host_index)
     name = segments.random_segment_name(creator_pid, token, f"-h{host_index}")
-    return Layout(rank, size, mine.index(rank), len(mine), segments.path(name), source, len(order), inter)
+    return Layout(rank, size, mine.index(rank), len(mine), segments.path(name), source, len(order), inter,
+                  tuple(order.index(h) for h in hosts), comm)
 
 
 def detect_layout(generation: int = 0) -> Layout:
@@ -162,6 +168,9 @@ _engine: _core.Engine | None = None
 _layout: Layout | None = None
 _generation = 0  # init()s so far in this process: picks the next segment name (comm/segments.py)
 _shutdown_hooks: list[Callable[[], None]] = []
+_before_shutdown: list[Callable[[], None]] = []
+_after_init: list[Callable[[list], None]] = []  # init(process_sets=...): comm/process_sets.py registers them
+_settings: dict = {}  # init()'s engine settings, for the engines of process sets (comm/process_sets.py)
 
 
 def on_shutdown(callback: Callable[[], None]) -> Callable[[], None]:
@@ -172,6 +181,14 @@ def on_shutdown(callback: Callable[[], None]) -> Callable[[], None]:
     group itself knows nothing of them. Returns ``callback`` (usable as a decorator)."""
     with _lock:
         _shutdown_hooks.append(callback)
+    return callback
+
+
+def before_shutdown(callback: Callable[[], None]) -> Callable[[], None]:
+    """Have ``callback()`` called at the start of every shutdown(), while the engine still runs
+    (process sets stop their own engines here). Returns ``callback``."""
+    with _lock:
+        _before_shutdown.append(callback)
     return callback
 
 
@@ -207,16 +224,26 @@ def mark(name: str) -> None:
         eng.mark(name)
 
 
-def init(*, timeout: float | None = None, engine_cpus: list[int] | str | None = None,
+def init(comm=None, process_sets=None, *, timeout: float | None = None, engine_cpus: list[int] | str | None = None,
          bucket_cap_mb: float | None = None) -> None:
     """Join the job. Calling it again while initialised does nothing.
 
+    ``process_sets`` (Horovod's): ProcessSet objects (or lists of ranks) to register right away,
+    in order, as add_process_set does; ``"dynamic"`` is accepted (sets can always be added later).
+    ``comm`` (Horovod's): None or MPI.COMM_WORLD -- fastxfer's job is always every launched rank.
     ``timeout`` (s, default FASTXFER_TIMEOUT or 300): how long a peer may stay silent before the
     others raise PeerFailureError (a peer that dies is noticed within a fraction of a second).
     ``engine_cpus``: pin the engine thread (default FASTXFER_ENGINE_CPUS, else unpinned).
     ``bucket_cap_mb``: the fusion bucket cap (default FASTXFER_BUCKET_CAP_MB, else 25).
     """
     global _engine, _layout, _generation
+    if comm is not None and not _is_comm_world(comm):
+        raise NotImplementedError("init(comm=...): fastxfer's job is every rank the launcher started; pass the "
+                                  "subset as a process set instead (init(process_sets=[ProcessSet(ranks)]))")
+    if process_sets is not None and not isinstance(process_sets, str):
+        process_sets = list(process_sets)
+    elif isinstance(process_sets, str) and process_sets != "dynamic":
+        raise ValueError(f"process_sets must be a list of process sets or 'dynamic', not {process_sets!r}")
     with _lock:
         if _engine is not None:
             return
@@ -243,13 +270,48 @@ def init(*, timeout: float | None = None, engine_cpus: list[int] | str | None = 
             raise ValueError(f"engine_cpus {cpus} are not all in this process's CPU set {sorted(allowed)}")
         stream_min = int(float(os.environ.get("FASTXFER_STREAM_MIN_MB", "4")) * (1 << 20))
         topology.apply_thread_settings()  # TensorFlow's thread counts from `fastxfer run --bind`, if loaded
-        _engine = _core.Engine(layout.segment, layout.local_rank, layout.local_size, window, oob, float(timeout),
-                               _float_env("FASTXFER_ATTACH_TIMEOUT", 120), threads, cpus, cap, 1024,
-                               max(0, stream_min), layout.inter_host, timeline_path(layout.rank), layout.rank,
-                               spin_us(), _float_env("FASTXFER_STALL_WARNING_S", min(60.0, timeout / 2)),
-                               os.environ.get("FASTXFER_REPORT_DIR", ""))
+        settings = dict(window=window, oob=oob, timeout=float(timeout),
+                        attach_timeout=_float_env("FASTXFER_ATTACH_TIMEOUT", 120), threads=threads, cpus=cpus, cap=cap,
+                        stream_min=max(0, stream_min), spin_us=spin_us(),
+                        stall_warning=_float_env("FASTXFER_STALL_WARNING_S", min(60.0, timeout / 2)),
+                        report_dir=os.environ.get("FASTXFER_REPORT_DIR", ""))
+        here = layout.host_of_rank(layout.rank)
+        on_host = [r for r in range(layout.size) if layout.host_of_rank(r) == here] if layout.host_of else []
+        _engine = make_engine(settings, layout.segment, layout.local_rank, layout.local_size, layout.inter_host,
+                              timeline_path(layout.rank), layout.rank, on_host)
         _engine.make_current()  # what the native TensorFlow ops submit to (engine/c_api.h)
         _layout = layout
+        _settings.clear()
+        _settings.update(settings)
+    if isinstance(process_sets, list) and process_sets:
+        for callback in list(_after_init):
+            callback(process_sets)
+
+
+def _is_comm_world(comm) -> bool:
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return False
+    return comm == MPI.COMM_WORLD or (isinstance(comm, MPI.Comm) and
+                                      MPI.Comm.Compare(comm, MPI.COMM_WORLD) in (MPI.IDENT, MPI.CONGRUENT))
+
+
+def make_engine(settings: dict, segment: str, local_rank: int, local_size: int, inter_host, timeline: str,
+                rank: int, segment_ranks=(), job_ranks=()) -> _core.Engine:
+    """An engine over `segment` with init()'s settings: the job's, or a process set's.
+    ``segment_ranks``/``job_ranks``: the job rank of each rank of the segment / of the engine,
+    so that its messages name ranks as the user knows them (empty: the same numbers)."""
+    s = settings
+    return _core.Engine(segment, local_rank, local_size, s["window"], s["oob"], s["timeout"], s["attach_timeout"],
+                        s["threads"], s["cpus"], s["cap"], 1024, s["stream_min"], inter_host, timeline, rank,
+                        s["spin_us"], s["stall_warning"], s["report_dir"], list(segment_ranks), list(job_ranks))
+
+
+def settings() -> dict:
+    """The engine settings init() chose (window, timeouts, CPUs, bucket cap, ...)."""
+    _current()
+    return dict(_settings)
 
 
 def shutdown() -> None:
@@ -260,6 +322,8 @@ def shutdown() -> None:
         if eng is None:
             return
         try:
+            for callback in list(_before_shutdown):
+                callback()
             eng.shutdown()
         finally:
             _core.clear_current_engine()
@@ -269,9 +333,16 @@ def shutdown() -> None:
                 callback()
 
 
+_at_exit: list[Callable[[], None]] = []  # run before the exit-time shutdown (comm/process_sets.py)
+
+
 def _atexit_shutdown() -> None:
-    # At interpreter exit, leave quietly: an error here would only hide the real one.
+    # At interpreter exit, leave quietly: an error here would only hide the real one. Process
+    # sets leave first, without waiting for their peers: a rank that exits (after an exception,
+    # say) while a peer waits for it in another engine would otherwise wait for that peer in turn.
     try:
+        for callback in list(_at_exit):
+            callback()
         shutdown()
     except Exception:
         pass

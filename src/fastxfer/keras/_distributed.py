@@ -9,7 +9,7 @@ import tensorflow as tf
 import fastxfer as fx
 import fastxfer.tensorflow as ftf
 from fastxfer import _validate
-from fastxfer.tensorflow.basics import check_process_set
+from fastxfer.tensorflow.basics import resolve_process_set
 from fastxfer.tensorflow.compression import resolve
 from fastxfer.tensorflow.ops import chained
 from fastxfer.tensorflow.tape import LocalVariables
@@ -43,7 +43,7 @@ def new_settings(compression=ftf.Compression.none, backward_passes_per_step=1, a
     naming a wrong argument."""
     if not fx.is_initialized():
         raise fx.FastxferError("call fastxfer.keras.init() before DistributedOptimizer()")
-    check_process_set(process_set)
+    process_set = resolve_process_set(process_set)  # None: every rank
     resolve(compression)  # a built-in (wire format) or a user compressor with compress()/decompress()
     if not isinstance(backward_passes_per_step, int) or isinstance(backward_passes_per_step, bool) \
             or backward_passes_per_step < 1:
@@ -58,8 +58,10 @@ def new_settings(compression=ftf.Compression.none, backward_passes_per_step=1, a
         raise ValueError(f"op must be Average or Sum for gradients, not {op!r}")
     if gradient_predivide_factor != 1.0 and op != ftf.Average:
         raise ValueError("gradient_predivide_factor applies to op=Average only")
-    return Settings(compression, backward_passes_per_step, average_aggregated_gradients, gradient_predivide_factor,
-                    bucket_cap_mb, op, sparse_as_dense, scale_local_gradients)
+    s = Settings(compression, backward_passes_per_step, average_aggregated_gradients, gradient_predivide_factor,
+                 bucket_cap_mb, op, sparse_as_dense, scale_local_gradients)
+    s.process_set = process_set
+    return s
 
 
 class LocalVarsMixin:
@@ -104,13 +106,14 @@ def accumulators(optimizer) -> list:
 
 def reduce_gradients(settings: Settings, grads, variables) -> list:
     """The gradients reduced across ranks as `settings` say."""
-    if fx.size() == 1:
+    ps = getattr(settings, "process_set", None)
+    if (fx.size() if ps is None else ps.size()) == 1:
         return list(grads)  # one rank: nothing to reduce (Average and Sum, with any predivide factor, are the identity)
     return ftf.reduce_gradients(grads, variables, op=settings.op, compression=settings.compression,
                                 gradient_predivide_factor=settings.predivide, bucket_cap_mb=settings.bucket_cap_mb,
                                 prefix="DistributedOptimizer", sparse_as_dense=settings.sparse_as_dense,
                                 local_variables=settings.local,
-                                scale_local_gradients=settings.scale_local_gradients)
+                                scale_local_gradients=settings.scale_local_gradients, process_set=ps)
 
 
 def accumulate_and_apply(settings: Settings, passes, accs, grads, variables, apply) -> None:

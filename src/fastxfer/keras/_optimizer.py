@@ -285,7 +285,9 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     - ``bucket_cap_mb`` (fastxfer's): fusion bucket size for these gradients (default: ``init``'s, 25 MiB).
     - ``device_dense``, ``device_sparse``, ``num_groups``, ``groups`` are accepted for Horovod
       compatibility and have no effect: the engine fuses gradients into buckets by itself and
-      runs on the host. ``process_set`` must be the global one.
+      runs on the host.
+    - ``process_set``: reduce among that registered set's ranks only (an average divides by its
+      size); every rank of the set must wrap its optimizer with the same set.
     - ``name``: unused (Keras 3 optimizers keep their own name).
 
     The result has ``register_local_var(var)``. Under ``mixed_float16`` (set before this call) or

@@ -9,10 +9,12 @@ submit/wait ops), adding what Horovod's front end does in TensorFlow:
 - ``compression=`` takes Horovod's compressor objects, fastxfer's built-ins or any user compressor
   (compression.py);
 - ``device_dense``, ``device_sparse``, ``ignore_name_scope`` are accepted and have no effect (the
-  collectives run on the host; names are never scoped); ``process_set`` must be the global set.
+  collectives run on the host; names are never scoped);
+- ``process_set``: a registered set (fastxfer.comm.process_sets) runs the collective among its
+  ranks, on its own engine; a broadcast's root is then a rank of the job inside the set.
 
-``alltoall``, ``reducescatter`` and ``grouped_reducescatter`` are ``ops``' native collectives with
-Horovod's ``process_set=``; ``join`` is the engine's (fastxfer.join), eagerly.
+``alltoall``, ``reducescatter`` and ``grouped_reducescatter`` are ``ops``' native collectives;
+``join`` is the engine's (fastxfer.join), eagerly, on the global set.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import tensorflow as tf
 
 import fastxfer as fx
 from fastxfer.tensorflow import ops
-from fastxfer.tensorflow.basics import check_process_set, global_process_set
+from fastxfer.tensorflow.basics import global_process_set, resolve_process_set
 from fastxfer.tensorflow.compression import Compression, resolve
 
 # Python that builds graphs without data-dependent control flow: nothing for AutoGraph to convert
@@ -70,21 +72,23 @@ def wire_for(tensor, wire: str) -> str:
     return wire if tensor.dtype == tf.float32 else "none"
 
 
-def _sparse(s: tf.IndexedSlices, op, name, prescale_factor, postscale_factor) -> tf.IndexedSlices:
+def _sparse(s: tf.IndexedSlices, op, name, prescale_factor, postscale_factor, ps=None) -> tf.IndexedSlices:
     if op not in (Sum, Average):
         raise NotImplementedError("Only Sum and Average ops are supported with tf.IndexedSlices")
     if prescale_factor != 1.0 or postscale_factor != 1.0:
         raise NotImplementedError("Pre/postscale_factor are not supported with tf.IndexedSlices")
-    return gather_slices(s, op, None if name is None else f"{name}.values", None if name is None else f"{name}.indices")
+    return gather_slices(s, op, None if name is None else f"{name}.values", None if name is None else f"{name}.indices",
+                         ps)
 
 
-def gather_slices(s: tf.IndexedSlices, op, values_name, indices_name) -> tf.IndexedSlices:
+def gather_slices(s: tf.IndexedSlices, op, values_name, indices_name, ps=None) -> tf.IndexedSlices:
     """An IndexedSlices "reduced" Horovod's way: every rank's values and indices concatenated
-    (duplicate indices add up when applied), the values divided by the number of ranks for Average."""
-    values = ops.allgather(s.values, name=values_name)
-    indices = ops.allgather(s.indices, name=indices_name)
+    (duplicate indices add up when applied), the values divided by the number of ranks (of the
+    process set ``ps``) for Average."""
+    values = ops.allgather(s.values, name=values_name, process_set=ps)
+    indices = ops.allgather(s.indices, name=indices_name, process_set=ps)
     if op == Average:
-        values = values / tf.cast(fx.size(), values.dtype)
+        values = values / tf.cast(fx.size() if ps is None else ps.size(), values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=s.dense_shape)
 
 
@@ -95,19 +99,19 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
     """Reduce a tensor (or tf.Variable, or tf.IndexedSlices) across all ranks, eagerly or inside a
     tf.function. ``op``: Average (default), Sum, Min, Max. A tf.IndexedSlices is allgathered
     (values and indices) instead, as in Horovod."""
-    check_process_set(process_set)
+    ps = resolve_process_set(process_set)
     op = _op(op, average)
     if isinstance(tensor, tf.IndexedSlices):
-        return _sparse(tensor, op, name, prescale_factor, postscale_factor)
+        return _sparse(tensor, op, name, prescale_factor, postscale_factor, ps)
     wire, user = resolve(compression)
     t = tf.convert_to_tensor(tensor)
     if user is not None:
         c, ctx = user.compress(t)
         r = ops.allreduce(c, op=op, compression="none", name=name, prescale_factor=prescale_factor,
-                          postscale_factor=postscale_factor)
+                          postscale_factor=postscale_factor, process_set=ps)
         return user.decompress(r, ctx)
     return ops.allreduce(t, op=op, compression=wire_for(t, wire), name=name, prescale_factor=prescale_factor,
-                         postscale_factor=postscale_factor)
+                         postscale_factor=postscale_factor, process_set=ps)
 
 
 @_no_autograph
@@ -118,7 +122,7 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
     fastxfer's additions: ``names`` (one per tensor, identical on every rank), ``order`` (a
     permutation: the order the dense tensors are handed to the engine, e.g. reversed for gradients)
     and ``bucket_cap_mb``."""
-    check_process_set(process_set)
+    ps = resolve_process_set(process_set)
     if not tensors:
         return tensors
     tensors = list(tensors)
@@ -147,68 +151,71 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
             red = ops.grouped_allreduce([ts[i] for i in idx], op=op, compression=w, prescale_factor=prescale_factor,
                                         postscale_factor=postscale_factor,
                                         names=None if names is None else [names[i] for i in idx],
-                                        bucket_cap_mb=bucket_cap_mb)
+                                        bucket_cap_mb=bucket_cap_mb, process_set=ps)
             for i, r in zip(idx, red):
                 out[i] = user.decompress(r, ctxs[i]) if user is not None else r
     for i in sparse:
-        out[i] = _sparse(tensors[i], op, None if names is None else names[i], prescale_factor, postscale_factor)
+        out[i] = _sparse(tensors[i], op, None if names is None else names[i], prescale_factor, postscale_factor, ps)
     return out
 
 
 @_no_autograph
 def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
     """Concatenation of every rank's tensor along the first dimension (which may differ between ranks)."""
-    check_process_set(process_set)
-    return ops.allgather(tensor, name=name)
+    ps = resolve_process_set(process_set)
+    return ops.allgather(tensor, name=name, process_set=ps)
 
 
 @_no_autograph
 def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=global_process_set):
     """allgather of each tensor of a list."""
-    check_process_set(process_set)
-    return [ops.allgather(t, name=None if name is None else f"{name}.{i}") for i, t in enumerate(tensors)]
+    ps = resolve_process_set(process_set)
+    return [ops.allgather(t, name=None if name is None else f"{name}.{i}", process_set=ps)
+            for i, t in enumerate(tensors)]
 
 
 @_no_autograph
 def broadcast(tensor, root_rank=0, name=None, ignore_name_scope=False, process_set=global_process_set):
     """Every rank gets root_rank's tensor."""
-    check_process_set(process_set)
-    return ops.broadcast(tensor, root_rank, name=name)
+    ps = resolve_process_set(process_set)
+    return ops.broadcast(tensor, root_rank, name=name, process_set=ps)
 
 
 @_no_autograph
 def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
     """Broadcast root_rank's values into ``variables`` in place; returns their new values."""
-    check_process_set(process_set)
+    resolve_process_set(process_set)
     from fastxfer.tensorflow.functions import broadcast_variables
 
     variables = list(variables) if isinstance(variables, (list, tuple)) else [variables]
-    broadcast_variables(variables, root_rank, name=name)
+    broadcast_variables(variables, root_rank, name=name, process_set=process_set)
     return [tf.convert_to_tensor(v) for v in variables]
 
 
 @_no_autograph
 def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_set=global_process_set):
-    """Horovod's alltoall (fastxfer.tensorflow.ops.alltoall); ``process_set`` must be the global set."""
-    check_process_set(process_set)
-    return ops.alltoall(tensor, splits, name=name, ignore_name_scope=ignore_name_scope)
+    """Horovod's alltoall (fastxfer.tensorflow.ops.alltoall); in a process set, ``splits`` has one
+    entry per rank of the set."""
+    ps = resolve_process_set(process_set)
+    return ops.alltoall(tensor, splits, name=name, ignore_name_scope=ignore_name_scope, process_set=ps)
 
 
 @_no_autograph
 def reducescatter(tensor, device_dense="", compression=Compression.none, op=Average, name=None,
                   ignore_name_scope=False, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
-    """Horovod's reducescatter (fastxfer.tensorflow.ops.reducescatter); ``process_set``: the global set."""
-    check_process_set(process_set)
+    """Horovod's reducescatter (fastxfer.tensorflow.ops.reducescatter)."""
+    ps = resolve_process_set(process_set)
     return ops.reducescatter(tensor, device_dense, compression, op, name, ignore_name_scope, prescale_factor,
-                             postscale_factor)
+                             postscale_factor, process_set=ps)
 
 
 @_no_autograph
 def grouped_reducescatter(tensors, device_dense="", compression=Compression.none, op=Average, process_set=global_process_set,
                           prescale_factor=1.0, postscale_factor=1.0):
     """Horovod's grouped_reducescatter (fastxfer.tensorflow.ops.grouped_reducescatter)."""
-    check_process_set(process_set)
-    return ops.grouped_reducescatter(tensors, device_dense, compression, op, prescale_factor, postscale_factor)
+    ps = resolve_process_set(process_set)
+    return ops.grouped_reducescatter(tensors, device_dense, compression, op, prescale_factor, postscale_factor,
+                                     process_set=ps)
 
 
 def join(device="") -> tf.Tensor:

@@ -16,9 +16,9 @@
 - ``start_timeline`` / ``stop_timeline``: NotImplementedError -- the timeline is chosen at
   ``init()`` with ``FASTXFER_TIMELINE``.
 
-Process sets (``ProcessSet``, ``global_process_set``, ``add_process_set``, ...): only the global
-set exists; ``process_set=global_process_set`` is accepted everywhere Horovod takes it, other sets
-are not implemented yet.
+Process sets (``ProcessSet``, ``global_process_set``, ``add_process_set``, ``remove_process_set``)
+are fastxfer.comm.process_sets': each registered set runs its own engine among its ranks.
+``size_op(process_set_id)`` is that set's size, ``process_set_included_op(process_set_id)`` 1 or 0.
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ import numpy as np
 import tensorflow as tf
 
 import fastxfer as fx
-from fastxfer.comm import group
+from fastxfer.comm import group, process_sets
+from fastxfer.comm.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 
-__all__ = ["ProcessSet", "add_process_set", "ccl_built", "check_process_set", "cross_rank", "cross_size",
+__all__ = ["ProcessSet", "add_process_set", "ccl_built", "resolve_process_set", "cross_rank", "cross_size",
            "cuda_built", "ddl_built", "gloo_built", "gloo_enabled", "global_process_set", "is_homogeneous",
            "local_rank_op", "local_size_op", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built",
            "process_set_included_op", "rank_op", "remove_process_set", "rocm_built", "size_op", "start_timeline",
@@ -49,9 +50,9 @@ def _scalar_op(read, name):
 
 
 def size_op(process_set_id=0, name=None):
-    """The number of ranks, as an int32 scalar tensor."""
-    _check_process_set_id(process_set_id)
-    return _scalar_op(fx.size, name)
+    """The number of ranks (of process set ``process_set_id``), as an int32 scalar tensor."""
+    ps = _by_id(process_set_id)
+    return _scalar_op(fx.size if ps is global_process_set else ps.size, name)
 
 
 def rank_op(name=None):
@@ -70,9 +71,9 @@ def local_rank_op(name=None):
 
 
 def process_set_included_op(process_set_id=0, name=None):
-    """1 when this rank belongs to the process set (only the global set exists: always 1)."""
-    _check_process_set_id(process_set_id)
-    return _scalar_op(lambda: 1, name)
+    """1 when this rank belongs to process set ``process_set_id``, else 0 (int32 scalar tensor)."""
+    ps = _by_id(process_set_id)
+    return _scalar_op(lambda: int(ps is global_process_set or ps.included()), name)
 
 
 def cross_size() -> int:
@@ -174,56 +175,13 @@ def stop_timeline():
                               "records from init() to shutdown() and cannot be stopped early")
 
 
-class ProcessSet:
-    """Horovod's process set. Only the global set (every rank) exists in fastxfer so far."""
-
-    def __init__(self, ranks=None):
-        if ranks is not None:
-            raise NotImplementedError("process sets other than the global one are not implemented in fastxfer yet")
-        self.process_set_id = 0
-
-    @property
-    def ranks(self) -> list:
-        return list(range(fx.size()))
-
-    def size(self) -> int:
-        return fx.size()
-
-    def rank(self) -> int:
-        return fx.rank()
-
-    def included(self) -> bool:
-        return True
-
-    def __repr__(self):
-        return "ProcessSet(process_set_id=0, ranks=all)"
+def _by_id(process_set_id):
+    if isinstance(process_set_id, bool) or not isinstance(process_set_id, (int, np.integer)):
+        raise TypeError(f"process_set_id must be an int, not {process_set_id!r}")
+    return process_sets.by_id(int(process_set_id))
 
 
-global_process_set = ProcessSet()
-
-
-def add_process_set(process_set):
-    """Not implemented yet: fastxfer has only the global process set."""
-    raise NotImplementedError("add_process_set: process sets are not implemented in fastxfer yet (only "
-                              "global_process_set)")
-
-
-def remove_process_set(process_set):
-    """Not implemented yet: fastxfer has only the global process set."""
-    raise NotImplementedError("remove_process_set: process sets are not implemented in fastxfer yet (only "
-                              "global_process_set)")
-
-
-def _check_process_set_id(process_set_id):
-    if process_set_id != 0:
-        raise NotImplementedError(f"process set {process_set_id}: only the global process set (id 0) exists in "
-                                  "fastxfer so far")
-
-
-def check_process_set(process_set):
-    """Accept Horovod's ``process_set=`` argument when it is the global set (or None)."""
-    if process_set is None or process_set is global_process_set:
-        return
-    if isinstance(process_set, ProcessSet) and process_set.process_set_id == 0:
-        return
-    raise NotImplementedError("process_set: only hvd.global_process_set is supported by fastxfer so far")
+def resolve_process_set(process_set):
+    """Horovod's ``process_set=`` argument: None (or the global set) for every rank, else the
+    registered set (ValueError when it is not registered, FastxferError when this rank is not in it)."""
+    return process_sets.resolve(process_set)

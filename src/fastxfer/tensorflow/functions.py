@@ -8,7 +8,8 @@ import tensorflow as tf
 
 import fastxfer as fx
 from fastxfer.tensorflow import ops
-from fastxfer.tensorflow.basics import check_process_set, global_process_set
+from fastxfer.comm.collectives import root_index
+from fastxfer.tensorflow.basics import global_process_set, resolve_process_set
 
 try:  # Horovod pickles with cloudpickle (lambdas, local classes); plain pickle when it is missing
     import cloudpickle as _pickle
@@ -24,12 +25,12 @@ __all__ = ["allgather_object", "broadcast_global_variables", "broadcast_object",
 def broadcast_variables(variables, root_rank=0, process_set=global_process_set, name=None):
     """Assign root_rank's values to ``variables`` on every rank (tf.Variable or Keras 3 Variable),
     eagerly or inside a tf.function."""
-    check_process_set(process_set)
+    ps = resolve_process_set(process_set)
     prefix = name or "broadcast_variables"
     assigns = []
     for i, v in enumerate(variables):
         value = v.value if hasattr(v, "value") and not isinstance(v, tf.Variable) else v
-        new = ops.broadcast(tf.convert_to_tensor(value), root_rank, name=f"{prefix}.{i}")
+        new = ops.broadcast(tf.convert_to_tensor(value), root_rank, name=f"{prefix}.{i}", process_set=ps)
         assigns.append(v.assign(new))
     if not tf.executing_eagerly():  # graph mode: one op that runs every assignment, as Horovod returns
         return tf.group(*[a for a in assigns if a is not None])
@@ -57,22 +58,21 @@ def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=glob
     ``name`` names the two broadcasts it makes (it must be the same on every rank; by default they
     are numbered, the same on every rank that makes the same calls). ``session`` is TF1's and is
     ignored."""
-    check_process_set(process_set)
+    ps = resolve_process_set(process_set)
     me = fx.rank()
-    if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)) or not 0 <= root_rank < fx.size():
-        raise ValueError(f"root_rank must be a rank in 0..{fx.size() - 1}, not {root_rank!r}")
+    root_index(root_rank, None if ps is None else ps.ranks)  # ValueError naming a bad root
     if me == root_rank:
         words, n = _words(obj)
     n = int(fx.broadcast(np.array([n if me == root_rank else 0], np.int64), root=root_rank,
-                         name=None if name is None else f"{name}.sz")[0])
+                         name=None if name is None else f"{name}.sz", process_set=ps)[0])
     got = fx.broadcast(words if me == root_rank else np.zeros((n + 7) // 8, np.int64), root=root_rank,
-                       name=None if name is None else f"{name}.t")
+                       name=None if name is None else f"{name}.t", process_set=ps)
     return obj if me == root_rank else _unpickle.loads(got.tobytes()[:n])
 
 
 def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global_process_set):
     """A function ``f(obj)`` that broadcasts ``obj`` from root_rank (Horovod's broadcast_object_fn)."""
-    check_process_set(process_set)
+    resolve_process_set(process_set)
 
     def broadcast_fn(obj):
         return broadcast_object(obj, root_rank=root_rank, session=session, name=name, process_set=process_set)
@@ -82,10 +82,10 @@ def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global
 
 def allgather_object(obj, session=None, name=None, process_set=global_process_set):
     """A list with every rank's ``obj``, in rank order (any picklable objects, of any sizes)."""
-    check_process_set(process_set)
+    ps = resolve_process_set(process_set)
     words, n = _words(obj)
-    sizes = fx.allgather(np.array([n], np.int64), name=None if name is None else f"{name}.sz")
-    data = fx.allgather(words, name=None if name is None else f"{name}.t")
+    sizes = fx.allgather(np.array([n], np.int64), name=None if name is None else f"{name}.sz", process_set=ps)
+    data = fx.allgather(words, name=None if name is None else f"{name}.t", process_set=ps)
     out, off = [], 0
     for size in sizes.tolist():
         k = (size + 7) // 8

@@ -123,18 +123,20 @@ def _bits(x: float) -> int:
 
 
 def submit(tensor, kind: str, name: str, op: str = "sum", compression: str = "none", root: int = 0,
-           prescale: float = 1.0, postscale: float = 1.0, bucket_cap: int = 0):
-    """The submit op on ``tensor``: returns (output, handle). Options are already validated."""
+           prescale: float = 1.0, postscale: float = 1.0, bucket_cap: int = 0, process_set: int = 0):
+    """The submit op on ``tensor``: returns (output, handle). Options are already validated;
+    ``root`` is the engine's (the position in the process set), ``process_set`` an id (0: every rank)."""
     return _lib.fastxfer_submit(tensor, kind=kind, tensor_name=name, reduce_op=OP_CODES[op],
                                 compression=COMPRESSION_CODES[compression], root=int(root),
                                 prescale_bits=_bits(prescale), postscale_bits=_bits(postscale),
-                                bucket_cap=int(bucket_cap), name="fastxfer_submit")
+                                bucket_cap=int(bucket_cap), process_set=int(process_set), name="fastxfer_submit")
 
 
-def submit_splits(tensor, splits, name: str):
+def submit_splits(tensor, splits, name: str, process_set: int = 0):
     """The alltoall submit op: ``splits`` is an int32/int64 vector tensor (empty: an equal split),
     read when the op runs."""
-    return _lib.fastxfer_submit_splits(tensor, splits, kind="alltoall", tensor_name=name, name="fastxfer_submit")
+    return _lib.fastxfer_submit_splits(tensor, splits, kind="alltoall", tensor_name=name,
+                                       process_set=int(process_set), name="fastxfer_submit")
 
 
 def wait_alltoall(output, handle):

@@ -8,7 +8,7 @@ import tensorflow as tf
 import fastxfer as fx
 from fastxfer.tensorflow import ops, overlap
 from fastxfer.tensorflow.api import gather_slices, wire_for
-from fastxfer.tensorflow.basics import check_process_set, global_process_set
+from fastxfer.tensorflow.basics import global_process_set, resolve_process_set
 from fastxfer.tensorflow.compression import Compression, resolve
 
 # fastxfer's Python builds graphs without data-dependent Python control flow: AutoGraph has nothing
@@ -87,7 +87,7 @@ class DistributedGradientTape:
     def __init__(self, gradtape: tf.GradientTape, device_dense="", device_sparse="", compression=Compression.none,
                  sparse_as_dense=False, op=ops.Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
                  process_set=global_process_set, scale_local_gradients=True):
-        check_process_set(process_set)
+        resolve_process_set(process_set)  # registered, and this rank is in it
         if not isinstance(device_dense, str) or device_dense in ("none", "bf16", "fp16"):
             # fastxfer's tape took compression second before it took Horovod's argument order
             raise TypeError(f"DistributedGradientTape's second argument is device_dense (Horovod's order), not "
@@ -128,7 +128,7 @@ class DistributedGradientTape:
         reduced = reduce_gradients(flat, flat_sources, op=self._op, compression=self._compression,
                                    gradient_predivide_factor=self._predivide, prefix="DistributedGradientTape",
                                    sparse_as_dense=self._sparse_as_dense, local_variables=self._local,
-                                   scale_local_gradients=self.scale_local_gradients)
+                                   scale_local_gradients=self.scale_local_gradients, process_set=self.process_set)
         return tf.nest.pack_sequence_as(grads, reduced)
 
 
@@ -150,7 +150,7 @@ def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="", 
 @_no_autograph
 def reduce_gradients(grads, variables, op=ops.Average, compression=Compression.none, gradient_predivide_factor=1.0,
                      bucket_cap_mb=None, prefix="grad", sparse_as_dense=False, local_variables=None,
-                     scale_local_gradients=True):
+                     scale_local_gradients=True, process_set=None):
     """Allreduce a list of gradients (one per variable) the way DistributedGradientTape and
     DistributedOptimizer do: submitted last variable first (the order a backward pass produces
     them), fused by the engine. A None gradient stays None and is not communicated (Keras then
@@ -174,7 +174,8 @@ def reduce_gradients(grads, variables, op=ops.Average, compression=Compression.n
     wire, user = resolve(compression)
     pre, post = (1.0 / f, f) if op == ops.Average else (1.0, 1.0)
     local = local_variables.keys() if local_variables else set()
-    size = fx.size()
+    ps = resolve_process_set(process_set)
+    size = fx.size() if ps is None else ps.size()
     out = list(grads)
     dense, names, where, sparse = [], [], [], []
     for i, (g, v) in enumerate(zip(grads, variables)):
@@ -204,7 +205,8 @@ def reduce_gradients(grads, variables, op=ops.Average, compression=Compression.n
         order = list(reversed(range(len(dense))))
         for c in dict.fromkeys(comps):  # one group per wire format, each in backward order
             idx = [j for j in order if comps[j] == c]
-            red = _allreduce_group([dense[j] for j in idx], [names[j] for j in idx], op, c, pre, post, bucket_cap_mb)
+            red = _allreduce_group([dense[j] for j in idx], [names[j] for j in idx], op, c, pre, post, bucket_cap_mb,
+                                   ps)
             for j, r in zip(idx, red):
                 out[where[j]] = user.decompress(r, ctxs[j]) if user is not None else r
     for i in reversed(sparse):  # after the dense submits, last variable first, as they
@@ -212,7 +214,7 @@ def reduce_gradients(grads, variables, op=ops.Average, compression=Compression.n
         # Horovod's allgather of values and indices; the predivide factor only splits the
         # averaging of dense sums, the allgathered values are divided by size either way
         out[i] = gather_slices(grads[i], op if op in (ops.Average, ops.Sum) else _sparse_op_error(op),
-                               f"{name}.values", f"{name}.indices")
+                               f"{name}.values", f"{name}.indices", ps)
     return out
 
 
@@ -228,12 +230,13 @@ def _divided(g, n: int):
     return g / tf.cast(n, g.dtype)
 
 
-def _allreduce_group(grads, names, op, compression, pre, post, bucket_cap_mb):
+def _allreduce_group(grads, names, op, compression, pre, post, bucket_cap_mb, ps=None):
     """grouped_allreduce in list order; traced, with the submits pinned into the backward pass."""
     if tf.executing_eagerly():
         return ops.grouped_allreduce(grads, op=op, compression=compression, prescale_factor=pre, postscale_factor=post,
-                                     names=names, bucket_cap_mb=bucket_cap_mb)
-    submits = ops.submit_grouped(grads, names, op, compression, pre, post, bucket_cap_mb=bucket_cap_mb)
+                                     names=names, bucket_cap_mb=bucket_cap_mb, process_set=ps)
+    submits = ops.submit_grouped(grads, names, op, compression, pre, post, bucket_cap_mb=bucket_cap_mb,
+                                 process_set=ps)
     if overlap.pin_enabled():
         overlap.pin_to_backward(tf.compat.v1.get_default_graph(), grads, submits)
     return ops.wait_grouped(submits, grads)

@@ -1,0 +1,338 @@
+"""Process sets: collectives among a subset of the ranks (Horovod's ``ProcessSet``).
+
+A process set is a sorted list of ranks. Registering one (``add_process_set``) is collective:
+every rank of the job calls it, with the same ranks, in the same order as the other
+registrations -- the ranks compare what they were given, and a disagreement is a MismatchError
+on every rank naming what each rank passed. The ranks of the set then start an engine of their
+own for it: its own shared-memory segment on each host (the job's segment name plus
+``-s<id>``, so it is as unguessable and as owner-only as the job's, and swept with it), its own
+negotiation, its own engine thread, and -- when the set spans hosts -- an MPI communicator of its
+members. Collectives on different sets therefore run concurrently and cannot mix up their
+order; inside a set, the usual rules hold (same collectives, same order, names and shapes
+checked, a dead peer noticed within a second).
+
+Ranks inside a set: results come in the order of the set's ranks (an allgather concatenates
+them in that order), a broadcast's root is a rank of the job that is in the set (as in Horovod),
+an average divides by the set's size, an alltoall's splits have one entry per rank of the set.
+
+A set costs one engine thread per member (asleep unless the set is used) and a segment per host
+of 4 KiB + k x (1.38 MiB + FASTXFER_SHM_WINDOW_MB) for k members there. ``remove_process_set``
+(collective again) stops it and frees that memory; ``shutdown()`` stops every set first.
+Ids are never reused within a job (Horovod's numbering: the global set is 0, then 1, 2, ...).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+
+import numpy as np
+
+from fastxfer import _core
+from fastxfer.comm import group
+from fastxfer.errors import FastxferError, MismatchError
+
+_lock = threading.RLock()
+
+
+class ProcessSet:
+    """A subset of the job's ranks that runs collectives of its own.
+
+    ``ProcessSet(ranks)`` describes one (ranks: an iterable of distinct ints, or an mpi4py
+    communicator whose ranks are taken); it is usable once registered with ``add_process_set``
+    (or ``fastxfer.keras.init(process_sets=[...])``), which gives it ``process_set_id``.
+    ``global_process_set`` (id 0) is every rank."""
+
+    def __init__(self, ranks_or_comm=None):
+        self.process_set_id: int | None = None
+        self.mpi_comm = None
+        self._engine: _core.Engine | None = None
+        self._ranks: list[int] | None = None
+        if ranks_or_comm is None:
+            return
+        if hasattr(ranks_or_comm, "Get_group") and hasattr(ranks_or_comm, "Get_size"):
+            self.mpi_comm = ranks_or_comm
+            return  # its ranks are known once the job's communicator is (add_process_set)
+        self._ranks = _normalise(ranks_or_comm)
+
+    @property
+    def ranks(self) -> list[int]:
+        """The job ranks in this set, ascending (every rank for the global set)."""
+        if self._ranks is None:
+            if self.process_set_id == 0:
+                return list(range(group.size()))
+            if self.mpi_comm is not None:
+                return _comm_ranks(self.mpi_comm)
+            return []
+        return list(self._ranks)
+
+    def size(self) -> int:
+        """Number of ranks in the set."""
+        return len(self.ranks)
+
+    def included(self) -> bool:
+        """Whether this process is one of the set's ranks."""
+        return group.rank() in self.ranks
+
+    def rank(self) -> int | None:
+        """This process's position among the set's ranks (0 .. size()-1), None when not included."""
+        r = group.rank()
+        ranks = self.ranks
+        return ranks.index(r) if r in ranks else None
+
+    def _invalidate(self) -> None:
+        self.process_set_id = None
+        self._engine = None
+
+    def __eq__(self, other):
+        if not isinstance(other, ProcessSet):
+            return NotImplemented
+        return self.process_set_id == other.process_set_id and self.ranks == other.ranks
+
+    def __hash__(self):
+        return hash(self.process_set_id)
+
+    def __repr__(self):
+        ranks = "all" if self.process_set_id == 0 else self._ranks
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={ranks})"
+
+
+global_process_set = ProcessSet()
+global_process_set.process_set_id = 0
+
+_sets: dict[int, ProcessSet] = {}  # registered sets other than the global one, by id
+_next_id = 1
+
+
+def _normalise(ranks) -> list[int]:
+    try:
+        items = list(ranks)
+    except TypeError:
+        raise TypeError(f"a process set's ranks must be a list of ints, not {type(ranks).__name__}") from None
+    out = []
+    for r in items:
+        if isinstance(r, bool) or not isinstance(r, (int, np.integer)):
+            raise TypeError(f"a process set's ranks must be ints, not {r!r}")
+        out.append(int(r))
+    if not out:
+        raise ValueError("a process set needs at least one rank")
+    if len(set(out)) != len(out):
+        raise ValueError(f"a process set's ranks must be distinct, got {items}")
+    return sorted(out)
+
+
+def _comm_ranks(comm) -> list[int]:
+    from mpi4py import MPI
+
+    mine = comm.Get_group()
+    world = MPI.COMM_WORLD.Get_group()
+    return sorted(MPI.Group.Translate_ranks(mine, list(range(mine.Get_size())), world))
+
+
+def _digest(words: list[int]) -> np.ndarray:
+    h = hashlib.sha256(",".join(map(str, words)).encode()).digest()
+    return np.frombuffer(h, np.int64).copy()
+
+
+def _agree(what: str, words: list[int], describe) -> None:
+    """Every rank of the job checks that all ranks passed the same `words` (a fixed-size digest
+    goes round first; the full lists only when they differ, to name who passed what)."""
+    from fastxfer.comm import collectives
+
+    d = _digest(words)
+    every = collectives.allgather(d[None, :], name=f"process_sets.{what}").reshape(group.size(), -1)
+    if all((row == every[0]).all() for row in every):
+        return
+    lists = collectives.allgather_object(words, name=f"process_sets.{what}.detail")
+    per = "; ".join(f"rank {r}: {describe(w)}" for r, w in enumerate(lists))
+    raise MismatchError(f"{what}: the ranks disagree ({per}); every rank must make the same process set calls, in "
+                        "the same order")
+
+
+def add_process_set(process_set) -> ProcessSet:
+    """Register a process set (a ProcessSet, or a list of ranks) and return it, with its id.
+    Collective: every rank of the job calls it with the same ranks, in the same order as its other
+    add/remove_process_set calls. Raises ValueError for ranks outside the job or a set that is
+    already registered."""
+    global _next_id
+    eng, layout = group._current()
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    if ps.process_set_id is not None:
+        raise ValueError(f"{ps!r} is already registered")
+    with _lock:
+        if ps.mpi_comm is not None:
+            ps._ranks = _comm_ranks(ps.mpi_comm)
+        ranks = ps.ranks
+        bad = [r for r in ranks if not 0 <= r < layout.size]
+        if bad:
+            raise ValueError(f"process set ranks {bad} are not ranks of this job (0..{layout.size - 1})")
+        pid = _next_id
+        _agree("add_process_set", [pid] + ranks, lambda w: f"id {w[0]}, ranks {w[1:]}")
+        for other in _sets.values():
+            if other.ranks == ranks:
+                raise ValueError(f"a process set with ranks {ranks} is already registered ({other!r}); Horovod "
+                                 "allows one per list of ranks")
+        on_host = {}
+        for r in ranks:
+            on_host.setdefault(layout.host_of_rank(r), []).append(r)
+        counts = {len(v) for v in on_host.values()}
+        if len(counts) > 1:
+            raise ValueError(f"process set {ranks} has different numbers of ranks on its hosts "
+                             f"({', '.join(f'host {h}: {len(v)}' for h, v in sorted(on_host.items()))}); the "
+                             "hierarchical transport needs the same number on every host it spans")
+        sub = None
+        if len(on_host) > 1:  # every rank of the job takes part in the split, members or not
+            from mpi4py import MPI
+
+            member = layout.rank in ranks
+            sub = layout.mpi_comm.Split(color=0 if member else MPI.UNDEFINED, key=layout.rank)
+        _next_id += 1
+        ps.process_set_id = pid
+        if layout.rank in ranks:
+            host = layout.host_of_rank(layout.rank)
+            mine = on_host[host]
+            inter = None
+            if sub is not None:
+                from fastxfer.comm.mpi import MPIInterHost
+
+                inter = MPIInterHost(sub, mine.index(layout.rank), sorted(on_host).index(host))
+            timeline = group.timeline_path(layout.rank)
+            if timeline:
+                root, ext = os.path.splitext(timeline)
+                timeline = f"{root}.set{pid}{ext}"
+            ps._engine = group.make_engine(group.settings(), f"{layout.segment}-s{pid}", mine.index(layout.rank),
+                                           len(mine), inter, timeline, layout.rank, mine, ranks)
+            ps._engine.make_process_set_engine(pid)
+        _sets[pid] = ps
+        return ps
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Unregister a process set: collective on every rank of the job, like add_process_set. Its
+    ranks stop its engine (collectively among themselves) and free its shared memory. Returns
+    True; False when the set was not registered (on every rank alike)."""
+    group._current()
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(f"remove_process_set takes a ProcessSet, not {type(process_set).__name__}")
+    if process_set.process_set_id == 0:
+        raise ValueError("the global process set cannot be removed")
+    with _lock:
+        pid = process_set.process_set_id
+        known = pid is not None and _sets.get(pid) is process_set
+        _agree("remove_process_set", [pid if known else -1], lambda w: f"id {w[0]}" if w[0] >= 0 else "unregistered")
+        if not known:
+            return False
+        _stop(process_set)
+        del _sets[pid]
+        return True
+
+
+def _stop(ps: ProcessSet) -> None:
+    eng = ps._engine
+    pid = ps.process_set_id
+    ps._invalidate()
+    if eng is not None:
+        _core.clear_process_set_engine(pid)
+        eng.shutdown()
+
+
+@group.before_shutdown
+def _stop_all() -> None:
+    global _next_id
+    with _lock:
+        errors = []
+        for pid in sorted(_sets):
+            try:
+                _stop(_sets[pid])
+            except Exception as e:  # the job's shutdown still runs; the first error is raised after it
+                errors.append(e)
+        _sets.clear()
+        _next_id = 1
+    if errors:
+        raise errors[0]
+
+
+def _leave_all() -> None:
+    # Interpreter exit without shutdown(): stop every set's engine without its peers (Engine.leave).
+    # A peer still waiting for this rank in a set fails at once ("... left without calling
+    # shutdown()") instead of waiting for it while this rank waits in the job's exit-time shutdown.
+    global _next_id
+    with _lock:
+        for pid in sorted(_sets):
+            ps = _sets[pid]
+            eng = ps._engine
+            ps._invalidate()
+            if eng is not None:
+                _core.clear_process_set_engine(pid)
+                eng.leave("the process left without calling shutdown()")
+        _sets.clear()
+        _next_id = 1
+
+
+group._at_exit.append(_leave_all)
+
+
+def _register_at_init(sets: list) -> None:
+    for ps in sets:
+        add_process_set(ps)
+
+
+group._after_init.append(_register_at_init)
+
+
+def resolve(process_set) -> ProcessSet | None:
+    """The registered set a collective runs on: None for the global set (or process_set=None).
+    Raises ValueError when the set is not registered and FastxferError when this rank is not in it."""
+    if process_set is None or process_set is global_process_set:
+        return None
+    group._current()  # not initialised, or a forked child: that error first
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(f"process_set must be a ProcessSet, not {type(process_set).__name__}")
+    pid = process_set.process_set_id
+    if pid == 0:
+        return None
+    if pid is None or _sets.get(pid) is not process_set:
+        raise ValueError(f"{process_set!r} is not registered: call add_process_set first (on every rank)")
+    if process_set._engine is None:
+        raise FastxferError(f"rank {group.rank()} is not in {process_set!r}: only its ranks may run its collectives")
+    return process_set
+
+
+def by_id(process_set_id: int) -> ProcessSet:
+    """The registered set with this id (0: the global set); ValueError when there is none."""
+    if process_set_id == 0:
+        return global_process_set
+    ps = _sets.get(process_set_id)
+    if ps is None:
+        raise ValueError(f"no process set with id {process_set_id} is registered")
+    return ps
+
+
+def engine_of(ps: ProcessSet | None) -> _core.Engine:
+    """The engine a collective on `ps` (from resolve) submits to."""
+    if ps is None:
+        return group.engine()
+    eng = ps._engine
+    if eng is None:  # removed meanwhile
+        raise ValueError(f"{ps!r} is not registered")
+    return eng
+
+
+def registered() -> list[ProcessSet]:
+    """Every registered set, the global one first."""
+    return [global_process_set] + [_sets[k] for k in sorted(_sets)]
+
+
+def _after_fork_in_child() -> None:
+    # The parent's set engines belong to the parent (see group._after_fork_in_child).
+    global _lock
+    _lock = threading.RLock()
+    for ps in _sets.values():
+        if ps._engine is not None:
+            group._parents_engines.append(ps._engine)
+            ps._engine = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,58 @@
+"""Process sets (Horovod's ProcessSet, add/remove_process_set, process_set= on every collective and
+on DistributedOptimizer / DistributedGradientTape): 3 ranks through the launcher, sets [0, 2], [1]
+and [1, 2]; every result against values computed by hand (tests/workers/process_sets_worker.py)."""
+
+import importlib.util
+import re
+
+import pytest
+
+from _launch import assert_ok, launch, mpi_launch, needs_mpi
+
+W = "process_sets_worker.py"
+ENV = {"TF_CPP_MIN_LOG_LEVEL": "3"}
+
+
+def test_numpy_collectives_on_process_sets_registration_and_removal():
+    """Every collective in a set, sets running concurrently with each other and with the global set,
+    errors that name the problem, removal (unmapped, ids not reused), init(process_sets=...)."""
+    assert_ok(launch(3, W, "numpy", env=ENV), 3, "numpy")
+
+
+def test_ranks_that_disagree_on_a_set_fail_every_rank_and_a_failed_set_leaves_the_job_running():
+    assert_ok(launch(3, W, "mismatch", env=ENV), 3, "mismatch")
+
+
+def test_a_rank_that_exits_while_a_set_peer_waits_fails_the_job_promptly():
+    r = launch(3, W, "leaves", env={**ENV, "FASTXFER_TIMEOUT": "120"})
+    out = r.stdout + r.stderr
+    # the set's engine names rank 1 by its rank in the job (it is the set's first rank)
+    m = re.search(r"FAILED rank 2 after ([\d.]+)s: PeerFailureError: rank 1 failed: the process left without "
+                  r"calling shutdown\(\)", r.stdout)
+    assert m and float(m[1]) < 30, out  # not the 120 s timeout
+    assert "RuntimeError: rank 1 gives up" in r.stderr
+    assert "fastxfer run: job failed:" in r.stderr and "rank 1: exit code 1" in r.stderr, out
+    assert r.returncode != 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="TensorFlow not installed")
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native-ops", "numpy_function-bridge"])
+def test_tensorflow_and_keras_in_process_sets(native):
+    """hvd collectives eager and in tf.function, size_op/process_set_included_op, objects,
+    DistributedGradientTape and DistributedOptimizer(process_set=...) on a Keras model."""
+    r = launch(3, W, "tensorflow", env={**ENV, "FASTXFER_TF_NATIVE": native}, timeout=600)
+    assert_ok(r, 3, "tensorflow")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tf_keras") is None, reason="tf-keras not installed")
+def test_tf_keras_distributed_optimizer_in_process_sets():
+    r = launch(3, W, "tensorflow", env={**ENV, "TF_USE_LEGACY_KERAS": "1"}, timeout=600)
+    assert_ok(r, 3, "tensorflow")
+
+
+@needs_mpi
+def test_process_sets_across_emulated_hosts_under_mpirun():
+    """4 ranks on 2 emulated hosts: sets across hosts (MPI sub-communicator), inside a host, and an
+    uneven one, refused on every rank."""
+    r = mpi_launch(4, W, "hosts", per_host=2, env=ENV)
+    assert_ok(r, 4, "hosts")

@@ -1,0 +1,281 @@
+"""Worker for tests/multiproc/test_process_sets.py (started by `fastxfer run -np 3`): process sets
+on the numpy API and on the Horovod TensorFlow/Keras API, each result checked against values
+computed here by hand. Sets: even = [0, 2], odd = [1], pair = [1, 2] (rank 2 is in two sets).
+
+Usage: process_sets_worker.py MODE. Prints 'OK <MODE> rank R' when every check passed."""
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import numpy as np  # noqa: E402
+
+import fastxfer as fx  # noqa: E402
+from fastxfer.comm import group  # noqa: E402
+
+MODE = sys.argv[1]
+
+
+def expect(cond, msg):
+    if not cond:
+        raise AssertionError(msg)
+
+
+def expect_raises(exc, fn, text):
+    try:
+        fn()
+    except exc as e:
+        expect(text in str(e), f"{exc.__name__} without {text!r}: {e}")
+    else:
+        raise AssertionError(f"no {exc.__name__} ({text!r})")
+
+
+def numpy_sets():
+    fx.init()
+    r, n = fx.rank(), fx.size()
+    expect(n == 3, "run with -np 3")
+    even = fx.add_process_set([2, 0])
+    odd = fx.add_process_set(fx.ProcessSet([1]))
+    pair = fx.add_process_set([1, 2])
+    expect([p.process_set_id for p in (even, odd, pair)] == [1, 2, 3], (even, odd, pair))
+    expect(even.ranks == [0, 2] and even.size() == 2 and repr(even) == "ProcessSet(process_set_id=1, ranks=[0, 2])",
+           repr(even))
+    expect(even.rank() == {0: 0, 1: None, 2: 1}[r] and even.included() == (r != 1), "rank()/included()")
+    mine = odd if r == 1 else even
+
+    # allreduce: sum, average (divides by the set's size), in and out of place
+    x = np.arange(5, dtype=np.float32) + 100 * r
+    want = sum(np.arange(5, dtype=np.float32) + 100 * k for k in mine.ranks)
+    expect(np.array_equal(fx.allreduce(x, op="sum", process_set=mine), want), "sum")
+    expect(np.array_equal(fx.allreduce(x, op="average", process_set=mine), want / mine.size()), "average")
+    i = np.full(3, 7 * (r + 1), np.int32)
+    expect(np.array_equal(fx.allreduce(i, op="average", process_set=mine), np.full(3, int(sum(7 * (k + 1) for k in
+                                                                                          mine.ranks) / mine.size()))),
+           "integer average")
+    # allgather in the set's rank order, rank-dependent first dimension
+    g = fx.allgather(np.full((r + 1, 2), r, np.int64), process_set=mine)
+    expect(np.array_equal(g, np.concatenate([np.full((k + 1, 2), k, np.int64) for k in mine.ranks])), g)
+    # broadcast from a root given as a rank of the job (the set's last rank)
+    root = mine.ranks[-1]
+    b = fx.broadcast(np.full(4, float(r), np.float64), root=root, process_set=mine)
+    expect(np.array_equal(b, np.full(4, float(root))), b)
+    # alltoall: splits have one entry per rank of the set
+    k = mine.size()
+    me = mine.rank()
+    rows = np.concatenate([np.full((j + 1, 2), 10 * r + j, np.float32) for j in range(k)])
+    got, rsplits = fx.alltoall(rows, splits=[j + 1 for j in range(k)], process_set=mine)
+    want = np.concatenate([np.full((me + 1, 2), 10 * src + me, np.float32) for src in mine.ranks])
+    expect(np.array_equal(got, want) and rsplits.tolist() == [me + 1] * k, (got, rsplits))
+    # reducescatter: 5 rows split 3/2 (even) or 5 (odd)
+    full = np.arange(15, dtype=np.float32).reshape(5, 3)
+    part = fx.reducescatter(full * (r + 1), op="sum", process_set=mine)
+    counts = [5 // k + (1 if j < 5 % k else 0) for j in range(k)]
+    lo = sum(counts[:me])
+    expect(np.array_equal(part, full[lo:lo + counts[me]] * sum(q + 1 for q in mine.ranks)), part)
+    # the out-of-band lane, barrier, objects
+    expect(np.array_equal(fx.oob_allreduce(np.array([r], np.float64), op="sum", process_set=mine),
+                          [float(sum(mine.ranks))]), "oob_allreduce")
+    fx.barrier(process_set=mine)
+    expect(fx.allgather_object({"r": r}, process_set=mine) == [{"r": q} for q in mine.ranks], "allgather_object")
+    expect(fx.broadcast_object(("from", r), root=root, process_set=mine) == ("from", root), "broadcast_object")
+
+    # sets run concurrently: rank 2 starts on both of its sets before it waits for either, and in
+    # the opposite order from its peers' arrival; the global set runs in between
+    v = np.ones(1000, np.float32) * (r + 1)
+    handles = []
+    if r in pair.ranks:
+        handles.append(("pair", fx.allreduce_async(v, op="sum", process_set=pair)))
+    if r in even.ranks:
+        handles.append(("even", fx.allreduce_async(v, op="sum", process_set=even)))
+    world = fx.allreduce(v, op="sum")
+    expect(np.array_equal(world, np.full(1000, 6.0, np.float32)), "global set meanwhile")
+    for name, h in handles:
+        s = {"pair": 2 + 3, "even": 1 + 3}[name]
+        expect(np.array_equal(h.wait(), np.full(1000, float(s), np.float32)), name)
+    del handles, h  # a Handle keeps its engine (and so the set's mapping) alive
+
+    # errors that name the problem
+    if r == 1:
+        expect_raises(fx.FastxferError, lambda: fx.allreduce(x, process_set=even),
+                      "rank 1 is not in ProcessSet(process_set_id=1, ranks=[0, 2])")
+    expect_raises(ValueError, lambda: fx.broadcast(x, root=1 if r != 1 else 0, process_set=mine),
+                  "is not in the process set")
+    expect_raises(ValueError, lambda: fx.allreduce(x, process_set=fx.ProcessSet([0])), "is not registered")
+    expect_raises(TypeError, lambda: fx.allreduce(x, process_set=[0, 2]), "process_set must be a ProcessSet")
+    expect_raises(ValueError, lambda: fx.ProcessSet([0, 0]), "distinct")
+    expect_raises(ValueError, lambda: fx.add_process_set([0, 5]), "not ranks of this job (0..2)")
+    expect_raises(ValueError, lambda: fx.add_process_set([0, 2]), "already registered")
+    expect_raises(ValueError, lambda: fx.remove_process_set(fx.global_process_set), "cannot be removed")
+
+    # remove: the set's shared memory is unmapped; its ranks' collectives then fail clearly; ids
+    # are not reused
+    seg = f"{group.layout().segment}-s{even.process_set_id}"
+
+    def mapped():
+        with open("/proc/self/maps") as f:
+            return seg in f.read()
+
+    expect(mapped() == (r != 1), f"{seg} mapped by the set's ranks only")
+    expect(fx.remove_process_set(even) is True, "removed")
+    fx.barrier()
+    expect(not mapped() and not os.path.exists(seg), f"{seg} left behind")
+    expect(fx.remove_process_set(even) is False, "removing twice")
+    expect_raises(ValueError, lambda: fx.allreduce(x, process_set=even), "is not registered")
+    again = fx.add_process_set([0, 2])
+    expect(again.process_set_id == 4, again)
+    if r != 1:
+        expect(np.array_equal(fx.allreduce(x, op="sum", process_set=again), x * 0 + sum(
+            np.arange(5, dtype=np.float32) + 100 * q for q in (0, 2))), "re-added set")
+    fx.shutdown()
+    # a new job numbers from 1 again; init(process_sets=...) registers them (Horovod's static form)
+    static = [fx.ProcessSet([0, 1]), fx.ProcessSet([2])]
+    fx.init(process_sets=static)
+    expect([p.process_set_id for p in static] == [1, 2], static)
+    mine = static[0] if r < 2 else static[1]
+    expect(fx.allreduce(np.array([r + 1.0]), op="sum", process_set=mine)[0] == (3.0 if r < 2 else 3.0), "static")
+    fx.shutdown()
+    print(f"OK numpy rank {r}", flush=True)
+
+
+def mismatch():
+    fx.init()
+    r = fx.rank()
+    # ranks that pass different sets: a MismatchError on every rank, naming what each passed
+    expect_raises(fx.MismatchError, lambda: fx.add_process_set([0, 1] if r == 0 else [0, 2]),
+                  "add_process_set: the ranks disagree (rank 0: id 1, ranks [0, 1]; rank 1: id 1, ranks [0, 2]; "
+                  "rank 2: id 1, ranks [0, 2])")
+    even = fx.add_process_set([0, 2])  # the failed call registered nothing: the next one is id 1
+    expect(even.process_set_id == 1, even)
+    # a disagreement inside a set fails that set's ranks; the global set goes on
+    if r != 1:
+        expect_raises(fx.MismatchError, lambda: fx.allreduce(np.ones(3 + r, np.float32), name="g", process_set=even),
+                      "but rank 2 submitted allreduce")
+    expect(np.array_equal(fx.allreduce(np.ones(2), op="sum"), [3.0, 3.0]), "global set after a set failed")
+    print(f"OK mismatch rank {r}", flush=True)
+
+
+def tensorflow_sets():
+    import tensorflow as tf
+
+    legacy = os.environ.get("TF_USE_LEGACY_KERAS") == "1"
+    if legacy:
+        import tf_keras as keras
+    else:
+        import keras
+    import fastxfer.keras as hvd
+    import fastxfer.tensorflow as htf
+
+    even, odd = htf.ProcessSet([0, 2]), htf.ProcessSet([1])
+    hvd.init(process_sets=[even, odd])
+    r = hvd.rank()
+    mine = odd if r == 1 else even
+    pid = mine.process_set_id
+    expect(int(htf.size_op(pid).numpy()) == mine.size(), "size_op")
+    expect([int(htf.process_set_included_op(p).numpy()) for p in (0, 1, 2)] == [1, int(r != 1), int(r == 1)],
+           "process_set_included_op")
+    expect_raises(ValueError, lambda: htf.size_op(9), "no process set with id 9")
+
+    x = tf.constant(np.arange(4, dtype=np.float32) + 10 * r)
+    want = sum(np.arange(4, dtype=np.float32) + 10 * k for k in mine.ranks)
+    root = mine.ranks[-1]
+
+    def calls(t):
+        return [htf.allreduce(t, op=htf.Sum, process_set=mine), htf.allreduce(t, process_set=mine),
+                htf.grouped_allreduce([t, 2 * t], op=htf.Sum, process_set=mine)[1],
+                htf.allgather(t[: r + 1], process_set=mine), htf.broadcast(t, root_rank=root, process_set=mine),
+                htf.reducescatter(tf.reshape(t, (2, 2)), op=htf.Sum, process_set=mine)]
+
+    gathered = np.concatenate([(np.arange(4, dtype=np.float32) + 10 * k)[: k + 1] for k in mine.ranks])
+    k, me = mine.size(), mine.rank()
+    rs = want.reshape(2, 2)[[me] if k == 2 else [0, 1]]
+    expected = [want, want / k, 2 * want, gathered, np.arange(4, dtype=np.float32) + 10 * root, rs]
+    for how, got in (("eager", calls(x)), ("function", tf.function(calls)(x))):
+        for j, (g, w) in enumerate(zip(got, expected)):
+            expect(np.array_equal(g.numpy(), w), f"{how} call {j}: {g.numpy()} != {w}")
+    expect(htf.allgather_object(r, process_set=mine) == mine.ranks, "allgather_object")
+    expect(htf.broadcast_object(r, root_rank=root, process_set=mine) == root, "broadcast_object")
+
+    # DistributedGradientTape in a set: one SGD step of a linear model on this rank's batch, the
+    # gradient averaged over the set's ranks only
+    rng = np.random.default_rng(0)
+    xs = rng.standard_normal((3, 4, 3)).astype(np.float32)  # one batch per rank
+    ys = rng.standard_normal((3, 4, 1)).astype(np.float32)
+    w = tf.Variable(np.ones((3, 1), np.float32))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean((tf.matmul(xs[r], w) - ys[r]) ** 2)
+    grad = htf.DistributedGradientTape(tape, process_set=mine).gradient(loss, [w])[0]
+    ref = np.mean([2 * xs[q].T.astype(np.float64) @ (xs[q] @ np.ones((3, 1)) - ys[q]) / 4 for q in mine.ranks], axis=0)
+    expect(np.allclose(grad.numpy(), ref, rtol=1e-5, atol=1e-6), (grad.numpy(), ref))
+
+    # Keras: DistributedOptimizer(process_set=...) keeps each set's ranks identical; the two sets
+    # train on different data, so they differ
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), process_set=mine)
+    model.compile(optimizer=opt, loss="mse")
+    data_x = xs[r] if r != 1 else xs[1] * 3
+    model.fit(data_x, ys[r], batch_size=4, epochs=3, verbose=0, shuffle=False)
+    flatw = np.concatenate([v.numpy().ravel() for v in model.weights]).astype(np.float64)
+    every = htf.allgather_object(flatw)
+    expect(np.array_equal(every[0], every[2]), "the even set's ranks hold identical weights")
+    expect(not np.array_equal(every[0], every[1]), "the two sets trained apart")
+    if r == 1:
+        expect_raises(fx.FastxferError, lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), process_set=even),
+                      "rank 1 is not in")
+    hvd.shutdown()
+    print(f"OK tensorflow rank {r}", flush=True)
+
+
+def leaves():
+    """Rank 1 fails (an exception) while rank 2 waits for it in their set and rank 0 in the global
+    set: at exit rank 1's set engine leaves without waiting for its peers, so rank 2 fails at once
+    instead of both waiting out FASTXFER_TIMEOUT in each other's engines."""
+    import time
+
+    fx.init()
+    r = fx.rank()
+    pair = fx.add_process_set([1, 2])  # positions 0 and 1 in the set: messages name ranks 1 and 2
+    t0 = time.monotonic()
+    if r == 1:
+        raise RuntimeError("rank 1 gives up")
+    try:
+        if r == 2:
+            fx.allreduce(np.ones(4), process_set=pair)
+        else:
+            fx.barrier()
+    except fx.FastxferError as e:
+        print(f"FAILED rank {r} after {time.monotonic() - t0:.1f}s: {type(e).__name__}: {e}", flush=True)
+        sys.exit(7)
+
+
+def hosts():
+    """Under mpirun, 4 ranks on 2 emulated hosts (FASTXFER_HOST_ID = rank // 2): a set across the
+    hosts (MPI between them), a set inside one host (shared memory only), and a set with 2 ranks on
+    one host and 1 on the other, which the hierarchical transport refuses on every rank."""
+    fx.init()
+    r, n = fx.rank(), fx.size()
+    expect(n == 4 and group.layout().hosts == 2, group.layout())
+    across = [fx.add_process_set([0, 2]), fx.add_process_set([1, 3])]
+    inside = fx.add_process_set([0, 1])
+    expect_raises(ValueError, lambda: fx.add_process_set([0, 1, 2]), "host 0: 2, host 1: 1")
+    mine = across[r % 2]
+    x = np.arange(6, dtype=np.float32) * (r + 1)
+    expect(np.array_equal(fx.allreduce(x, op="sum", process_set=mine),
+                          np.arange(6, dtype=np.float32) * sum(q + 1 for q in mine.ranks)), "sum across hosts")
+    g = fx.allgather(np.full((r + 1, 2), r, np.int32), process_set=mine)
+    expect(np.array_equal(g, np.concatenate([np.full((q + 1, 2), q, np.int32) for q in mine.ranks])), g)
+    root = mine.ranks[1]
+    expect(np.array_equal(fx.broadcast(x, root=root, process_set=mine), np.arange(6, dtype=np.float32) * (root + 1)),
+           "broadcast across hosts")
+    expect(fx.oob_allreduce(np.array([float(r)]), op="max", process_set=mine)[0] == float(mine.ranks[1]), "oob")
+    if r in inside.ranks:
+        expect(np.array_equal(fx.allreduce(x, op="average", process_set=inside),
+                              np.arange(6, dtype=np.float32) * 1.5), "average inside host 0")
+    expect(np.array_equal(fx.allreduce(x, op="sum"), np.arange(6, dtype=np.float32) * 10), "global set")
+    fx.shutdown()
+    print(f"OK hosts rank {r}", flush=True)
+
+
+{"numpy": numpy_sets, "mismatch": mismatch, "tensorflow": tensorflow_sets, "hosts": hosts,
+ "leaves": leaves}[MODE]()
