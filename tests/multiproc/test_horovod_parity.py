@@ -125,3 +125,15 @@ def test_alltoall_reducescatter_join_front_ends(n):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert sorted(ln.split("] ", 1)[1] for ln in r.stdout.splitlines() if "OK hvd" in ln) == \
         [f"OK hvd collectives rank {j}" for j in range(n)]
+
+
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native-ops", "numpy_function-bridge"])
+def test_every_collective_name_raises_mismatch_when_ranks_disagree(native):
+    """allreduce (dtype, op, Product, int8/uint8), grouped_allreduce, allgather, grouped_allgather,
+    broadcast (root), alltoall, reducescatter, grouped_reducescatter, broadcast_variables, sparse
+    allreduce and DistributedGradientTape, eagerly and in a tf.function, plus allgather_object and
+    broadcast_object: MismatchError on both ranks naming the other rank and what differs (each case
+    in a fresh process set; tests/workers/hvd_mismatch_worker.py)."""
+    r = launch(2, "hvd_mismatch_worker.py", env={**ENV, "FASTXFER_TF_NATIVE": native}, timeout=600)
+    for line in assert_ok(r, 2, "mismatches"):
+        assert line.endswith(": 30 cases"), line
