@@ -4,15 +4,22 @@ import json
 
 import pytest
 
-from _launch import launch
+from _launch import launch, mpi_launch, needs_mpi
 
 W = "join_worker.py"
-STEPS = {2: [2, 4], 3: [3, 5, 1]}
+STEPS = {2: [2, 4], 3: [3, 5, 1], 4: [3, 5, 1, 2]}
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_joined_ranks_stand_in_with_neutral_elements(n):
-    r = launch(n, W, "uneven")
+def _uneven(n, how):
+    if how == "mpirun, 2 emulated hosts":
+        return mpi_launch(n, W, "uneven", per_host=2)
+    return launch(n, W, "uneven")
+
+
+@pytest.mark.parametrize("n,how", [(2, "fastxfer run"), (3, "fastxfer run"),
+                                   pytest.param(4, "mpirun, 2 emulated hosts", marks=needs_mpi)])
+def test_joined_ranks_stand_in_with_neutral_elements(n, how):
+    r = _uneven(n, how)
     assert r.returncode == 0, r.stdout + r.stderr
     got = {}
     for line in r.stdout.splitlines():

@@ -8,7 +8,7 @@ import numpy as np
 
 import fastxfer as fx
 
-STEPS = {2: [2, 4], 3: [3, 5, 1]}
+STEPS = {2: [2, 4], 3: [3, 5, 1], 4: [3, 5, 1, 2]}
 
 
 def uneven():

@@ -6,7 +6,8 @@ from fastxfer.comm.collectives import (Handle, allgather, allgather_object, allr
                                        join, oob_allreduce, reducescatter)
 from fastxfer.comm.group import (Layout, engine_stats, hosts, init, is_initialized, layout, local_rank, local_size,
                                  rank, shutdown, size)
-from fastxfer.comm.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from fastxfer.comm.process_sets import ProcessSet, global_process_set
+from fastxfer.comm.set_registration import add_process_set, remove_process_set
 
 __all__ = [
     "Handle",

@@ -322,11 +322,8 @@ def join() -> int:
     average -- an average still divides by size() --, 1 for product, +inf/-inf or the integer
     limits for min/max; bool: false for sum/max, true for min/product)
     and discarding the results. Other collectives while some ranks have joined are a
-    MismatchError. Returns the rank that joined last, on every rank. One host only."""
+    MismatchError. Returns the rank that joined last, on every rank. Runs on the global set."""
     group.engine()  # FastxferError before init() (or in a forked child)
-    if group.hosts() > 1:
-        raise NotImplementedError("join() runs on one host for now (a job over several hosts would need the "
-                                  "inter-host stage to stand in too)")
     return int(_submit("join", "join", None, None, sync=True).wait())
 
 

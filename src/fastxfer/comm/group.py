@@ -169,7 +169,8 @@ _layout: Layout | None = None
 _generation = 0  # init()s so far in this process: picks the next segment name (comm/segments.py)
 _shutdown_hooks: list[Callable[[], None]] = []
 _before_shutdown: list[Callable[[], None]] = []
-_after_init: list[Callable[[list], None]] = []  # init(process_sets=...): comm/process_sets.py registers them
+_after_init: list[Callable[[list], None]] = []  # init(process_sets=...): comm/set_registration.py
+_at_exit: list[Callable[[], None]] = []  # before the exit-time shutdown (comm/process_sets.py)
 _settings: dict = {}  # init()'s engine settings, for the engines of process sets (comm/process_sets.py)
 
 
@@ -190,6 +191,27 @@ def before_shutdown(callback: Callable[[], None]) -> Callable[[], None]:
     with _lock:
         _before_shutdown.append(callback)
     return callback
+
+
+def after_init(callback: Callable[[list], None]) -> Callable[[list], None]:
+    """Have ``callback(process_sets)`` called at the end of init(process_sets=[...]) (process sets
+    register themselves there). Returns ``callback``."""
+    with _lock:
+        _after_init.append(callback)
+    return callback
+
+
+def at_exit(callback: Callable[[], None]) -> Callable[[], None]:
+    """Have ``callback()`` called at interpreter exit, before the exit-time shutdown (process sets
+    leave there without waiting for their peers). Returns ``callback``."""
+    with _lock:
+        _at_exit.append(callback)
+    return callback
+
+
+def keep_in_fork_child(engine) -> None:
+    """In a forked child: keep a parent's engine object alive and unused (see _after_fork_in_child)."""
+    _parents_engines.append(engine)
 
 
 def timeline_path(rank: int) -> str:
@@ -331,9 +353,6 @@ def shutdown() -> None:
             _layout = None
             for callback in list(_shutdown_hooks):
                 callback()
-
-
-_at_exit: list[Callable[[], None]] = []  # run before the exit-time shutdown (comm/process_sets.py)
 
 
 def _atexit_shutdown() -> None:

@@ -23,7 +23,6 @@ Ids are never reused within a job (Horovod's numbering: the global set is 0, the
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 
@@ -31,7 +30,7 @@ import numpy as np
 
 from fastxfer import _core
 from fastxfer.comm import group
-from fastxfer.errors import FastxferError, MismatchError
+from fastxfer.errors import FastxferError
 
 _lock = threading.RLock()
 
@@ -54,7 +53,7 @@ class ProcessSet:
         if hasattr(ranks_or_comm, "Get_group") and hasattr(ranks_or_comm, "Get_size"):
             self.mpi_comm = ranks_or_comm
             return  # its ranks are known once the job's communicator is (add_process_set)
-        self._ranks = _normalise(ranks_or_comm)
+        self._ranks = normalise(ranks_or_comm)
 
     @property
     def ranks(self) -> list[int]:
@@ -63,7 +62,7 @@ class ProcessSet:
             if self.process_set_id == 0:
                 return list(range(group.size()))
             if self.mpi_comm is not None:
-                return _comm_ranks(self.mpi_comm)
+                return comm_ranks(self.mpi_comm)
             return []
         return list(self._ranks)
 
@@ -81,9 +80,20 @@ class ProcessSet:
         ranks = self.ranks
         return ranks.index(r) if r in ranks else None
 
-    def _invalidate(self) -> None:
+    def invalidate(self) -> None:
+        """Forget the registration (remove_process_set, shutdown)."""
         self.process_set_id = None
         self._engine = None
+
+    def set_ranks(self, ranks) -> None:
+        """Fix the ranks (an mpi4py communicator's, known once the job is)."""
+        self._ranks = normalise(ranks)
+
+    def set_engine(self, engine) -> None:
+        """The engine this rank runs the set's collectives on (registration does this)."""
+        self._engine = engine
+        if engine is not None:
+            engine.make_process_set_engine(self.process_set_id)
 
     def __eq__(self, other):
         if not isinstance(other, ProcessSet):
@@ -105,7 +115,7 @@ _sets: dict[int, ProcessSet] = {}  # registered sets other than the global one, 
 _next_id = 1
 
 
-def _normalise(ranks) -> list[int]:
+def normalise(ranks) -> list[int]:
     try:
         items = list(ranks)
     except TypeError:
@@ -122,7 +132,7 @@ def _normalise(ranks) -> list[int]:
     return sorted(out)
 
 
-def _comm_ranks(comm) -> list[int]:
+def comm_ranks(comm) -> list[int]:
     from mpi4py import MPI
 
     mine = comm.Get_group()
@@ -130,108 +140,11 @@ def _comm_ranks(comm) -> list[int]:
     return sorted(MPI.Group.Translate_ranks(mine, list(range(mine.Get_size())), world))
 
 
-def _digest(words: list[int]) -> np.ndarray:
-    h = hashlib.sha256(",".join(map(str, words)).encode()).digest()
-    return np.frombuffer(h, np.int64).copy()
-
-
-def _agree(what: str, words: list[int], describe) -> None:
-    """Every rank of the job checks that all ranks passed the same `words` (a fixed-size digest
-    goes round first; the full lists only when they differ, to name who passed what)."""
-    from fastxfer.comm import collectives
-
-    d = _digest(words)
-    every = collectives.allgather(d[None, :], name=f"process_sets.{what}").reshape(group.size(), -1)
-    if all((row == every[0]).all() for row in every):
-        return
-    lists = collectives.allgather_object(words, name=f"process_sets.{what}.detail")
-    per = "; ".join(f"rank {r}: {describe(w)}" for r, w in enumerate(lists))
-    raise MismatchError(f"{what}: the ranks disagree ({per}); every rank must make the same process set calls, in "
-                        "the same order")
-
-
-def add_process_set(process_set) -> ProcessSet:
-    """Register a process set (a ProcessSet, or a list of ranks) and return it, with its id.
-    Collective: every rank of the job calls it with the same ranks, in the same order as its other
-    add/remove_process_set calls. Raises ValueError for ranks outside the job or a set that is
-    already registered."""
-    global _next_id
-    eng, layout = group._current()
-    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
-    if ps.process_set_id is not None:
-        raise ValueError(f"{ps!r} is already registered")
-    with _lock:
-        if ps.mpi_comm is not None:
-            ps._ranks = _comm_ranks(ps.mpi_comm)
-        ranks = ps.ranks
-        bad = [r for r in ranks if not 0 <= r < layout.size]
-        if bad:
-            raise ValueError(f"process set ranks {bad} are not ranks of this job (0..{layout.size - 1})")
-        pid = _next_id
-        _agree("add_process_set", [pid] + ranks, lambda w: f"id {w[0]}, ranks {w[1:]}")
-        for other in _sets.values():
-            if other.ranks == ranks:
-                raise ValueError(f"a process set with ranks {ranks} is already registered ({other!r}); Horovod "
-                                 "allows one per list of ranks")
-        on_host = {}
-        for r in ranks:
-            on_host.setdefault(layout.host_of_rank(r), []).append(r)
-        counts = {len(v) for v in on_host.values()}
-        if len(counts) > 1:
-            raise ValueError(f"process set {ranks} has different numbers of ranks on its hosts "
-                             f"({', '.join(f'host {h}: {len(v)}' for h, v in sorted(on_host.items()))}); the "
-                             "hierarchical transport needs the same number on every host it spans")
-        sub = None
-        if len(on_host) > 1:  # every rank of the job takes part in the split, members or not
-            from mpi4py import MPI
-
-            member = layout.rank in ranks
-            sub = layout.mpi_comm.Split(color=0 if member else MPI.UNDEFINED, key=layout.rank)
-        _next_id += 1
-        ps.process_set_id = pid
-        if layout.rank in ranks:
-            host = layout.host_of_rank(layout.rank)
-            mine = on_host[host]
-            inter = None
-            if sub is not None:
-                from fastxfer.comm.mpi import MPIInterHost
-
-                inter = MPIInterHost(sub, mine.index(layout.rank), sorted(on_host).index(host))
-            timeline = group.timeline_path(layout.rank)
-            if timeline:
-                root, ext = os.path.splitext(timeline)
-                timeline = f"{root}.set{pid}{ext}"
-            ps._engine = group.make_engine(group.settings(), f"{layout.segment}-s{pid}", mine.index(layout.rank),
-                                           len(mine), inter, timeline, layout.rank, mine, ranks)
-            ps._engine.make_process_set_engine(pid)
-        _sets[pid] = ps
-        return ps
-
-
-def remove_process_set(process_set: ProcessSet) -> bool:
-    """Unregister a process set: collective on every rank of the job, like add_process_set. Its
-    ranks stop its engine (collectively among themselves) and free its shared memory. Returns
-    True; False when the set was not registered (on every rank alike)."""
-    group._current()
-    if not isinstance(process_set, ProcessSet):
-        raise TypeError(f"remove_process_set takes a ProcessSet, not {type(process_set).__name__}")
-    if process_set.process_set_id == 0:
-        raise ValueError("the global process set cannot be removed")
-    with _lock:
-        pid = process_set.process_set_id
-        known = pid is not None and _sets.get(pid) is process_set
-        _agree("remove_process_set", [pid if known else -1], lambda w: f"id {w[0]}" if w[0] >= 0 else "unregistered")
-        if not known:
-            return False
-        _stop(process_set)
-        del _sets[pid]
-        return True
-
-
-def _stop(ps: ProcessSet) -> None:
+def stop(ps: ProcessSet) -> None:
+    """Stop a registered set's engine on this rank (collective among its ranks) and forget it."""
     eng = ps._engine
     pid = ps.process_set_id
-    ps._invalidate()
+    ps.invalidate()
     if eng is not None:
         _core.clear_process_set_engine(pid)
         eng.shutdown()
@@ -244,7 +157,7 @@ def _stop_all() -> None:
         errors = []
         for pid in sorted(_sets):
             try:
-                _stop(_sets[pid])
+                stop(_sets[pid])
             except Exception as e:  # the job's shutdown still runs; the first error is raised after it
                 errors.append(e)
         _sets.clear()
@@ -262,7 +175,7 @@ def _leave_all() -> None:
         for pid in sorted(_sets):
             ps = _sets[pid]
             eng = ps._engine
-            ps._invalidate()
+            ps.invalidate()
             if eng is not None:
                 _core.clear_process_set_engine(pid)
                 eng.leave("the process left without calling shutdown()")
@@ -270,15 +183,7 @@ def _leave_all() -> None:
         _next_id = 1
 
 
-group._at_exit.append(_leave_all)
-
-
-def _register_at_init(sets: list) -> None:
-    for ps in sets:
-        add_process_set(ps)
-
-
-group._after_init.append(_register_at_init)
+group.at_exit(_leave_all)
 
 
 def resolve(process_set) -> ProcessSet | None:
@@ -286,7 +191,7 @@ def resolve(process_set) -> ProcessSet | None:
     Raises ValueError when the set is not registered and FastxferError when this rank is not in it."""
     if process_set is None or process_set is global_process_set:
         return None
-    group._current()  # not initialised, or a forked child: that error first
+    group.engine()  # not initialised, or a forked child: that error first
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"process_set must be a ProcessSet, not {type(process_set).__name__}")
     pid = process_set.process_set_id
@@ -319,6 +224,43 @@ def engine_of(ps: ProcessSet | None) -> _core.Engine:
     return eng
 
 
+def lock() -> threading.RLock:
+    """The registry's lock (set_registration holds it through a registration)."""
+    return _lock
+
+
+def next_id() -> int:
+    """The id the next registration gets (the same on every rank that made the same calls)."""
+    return _next_id
+
+
+def find(ranks: list[int]) -> ProcessSet | None:
+    """The registered set with exactly these ranks, if any."""
+    return next((ps for ps in _sets.values() if ps.ranks == ranks), None)
+
+
+def record(ps: ProcessSet, engine) -> None:
+    """Register `ps` under id next_id(), with its engine on this rank (None: not a member)."""
+    global _next_id
+    with _lock:
+        ps.process_set_id = _next_id
+        ps.set_engine(engine)
+        _sets[_next_id] = ps
+        _next_id += 1
+
+
+def is_registered(ps: ProcessSet) -> bool:
+    return ps.process_set_id is not None and _sets.get(ps.process_set_id) is ps
+
+
+def forget(ps: ProcessSet) -> None:
+    """Stop `ps` (stop()) and drop it from the registry."""
+    with _lock:
+        pid = ps.process_set_id
+        stop(ps)
+        _sets.pop(pid, None)
+
+
 def registered() -> list[ProcessSet]:
     """Every registered set, the global one first."""
     return [global_process_set] + [_sets[k] for k in sorted(_sets)]
@@ -330,7 +272,7 @@ def _after_fork_in_child() -> None:
     _lock = threading.RLock()
     for ps in _sets.values():
         if ps._engine is not None:
-            group._parents_engines.append(ps._engine)
+            group.keep_in_fork_child(ps._engine)
             ps._engine = None
 
 

@@ -31,7 +31,8 @@ import tensorflow as tf
 
 import fastxfer as fx
 from fastxfer.comm import group, process_sets
-from fastxfer.comm.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from fastxfer.comm.process_sets import ProcessSet, global_process_set
+from fastxfer.comm.set_registration import add_process_set, remove_process_set
 
 __all__ = ["ProcessSet", "add_process_set", "ccl_built", "resolve_process_set", "cross_rank", "cross_size",
            "cuda_built", "ddl_built", "gloo_built", "gloo_enabled", "global_process_set", "is_homogeneous",
