@@ -24,34 +24,27 @@ def env(flavour):
     return {**ENV, "TF_USE_LEGACY_KERAS": "1" if flavour == "tf-keras" else "0"}
 
 
-def run_modes(flavour, modes, *args, tags=None):
-    r = launch(2, W, ",".join(modes), *args, env=env(flavour), timeout=600)
-    for tag in tags or modes:
+PARTIAL = ["partial-fit", "partial-eager", "partial-register", "partialtape-eager", "partialtape-function"]
+SPARSE = ["sparse-tape-eager", "sparse-tape-function", "sparse-fit"]
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_keras_and_tensorflow_front_ends(flavour, tmp_path):
+    """One job per Keras flavour (TensorFlow starts once for all of them): BroadcastGlobalVariablesCallback
+    on a lazily built model and with local_variables; local layers keeping their gradients
+    (PartialDistributedOptimizer, register_local_var, PartialDistributedGradientTape); the learning
+    rate callbacks and BestModelCheckpoint; queries; Horovod's signatures; sparse gradients
+    allgathered or densified."""
+    modes = ["lazybcast", "localbcast", *PARTIAL, "lrcallbacks", "queries", "signatures", *SPARSE]
+    r = launch(2, W, ",".join(modes), str(tmp_path), env=env(flavour), timeout=900)
+    for tag in ["lazybcast", "localbcast", *[m.replace("-", " ") for m in PARTIAL], "lrcallbacks", "queries",
+                "signatures"]:
         assert_ok(r, 2, tag)
-    return r
-
-
-@pytest.mark.parametrize("flavour", FLAVOURS)
-def test_broadcast_callback_lazily_built_model_and_local_variables(flavour):
-    run_modes(flavour, ["lazybcast", "localbcast"])
-
-
-@pytest.mark.parametrize("flavour", FLAVOURS)
-def test_local_layers_keep_their_gradients(flavour):
-    modes = ["partial-fit", "partial-eager", "partial-register", "partialtape-eager", "partialtape-function"]
-    run_modes(flavour, modes, tags=[m.replace("-", " ") for m in modes])
-
-
-@pytest.mark.parametrize("flavour", FLAVOURS)
-def test_learning_rate_callbacks_and_best_model_checkpoint(flavour, tmp_path):
-    run_modes(flavour, ["lrcallbacks"], str(tmp_path))
+    for m in SPARSE:
+        for dense in (False, True):
+            assert_ok(r, 2, f"sparse {m.split('-', 1)[1]} sparse_as_dense={dense}")
     # rank 0 alone wrote, and only at the epochs whose averaged score improved (1, 2 and 4)
     assert sorted(os.listdir(tmp_path)) == ["best-0-1.h5", "best-0-2.h5", "best-0-4.h5"]
-
-
-@pytest.mark.parametrize("flavour", FLAVOURS)
-def test_queries_and_horovod_signatures(flavour):
-    run_modes(flavour, ["queries", "signatures"])
 
 
 @needs_mpi
@@ -61,15 +54,6 @@ def test_host_queries_under_mpirun(np_, per_host):
     with hosts emulated by FASTXFER_HOST_ID (one host for 2 ranks, two hosts for 4)."""
     assert_ok(mpi_launch(np_, W, f"hostqueries-{per_host}", per_host=per_host, env=ENV, timeout=600), np_,
               "hostqueries")
-
-
-@pytest.mark.parametrize("flavour", FLAVOURS)
-def test_sparse_gradients_allgathered_or_densified(flavour):
-    modes = ["sparse-tape-eager", "sparse-tape-function", "sparse-fit"]
-    r = launch(2, W, ",".join(modes), env=env(flavour), timeout=600)
-    for m in modes:
-        for dense in (False, True):
-            assert_ok(r, 2, f"sparse {m.split('-', 1)[1]} sparse_as_dense={dense}")
 
 
 # -- Horovod's examples, only the import changed ---------------------------------------------------
