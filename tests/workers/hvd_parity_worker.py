@@ -22,6 +22,7 @@ else:
 
 import fastxfer.keras as hvd  # noqa: E402
 import fastxfer.tensorflow as htf  # noqa: E402
+from _checks import expect, expect_raises  # noqa: E402
 
 B, D, O = 4, 3, 2  # batch per rank, inputs, outputs
 
@@ -46,20 +47,6 @@ def data(steps, n, seed=0):
     x = rng.standard_normal((steps, n, B, D)).astype(np.float32)
     y = rng.standard_normal((steps, n, B, O)).astype(np.float32)
     return x, y
-
-
-def expect(cond, msg):
-    if not cond:
-        raise AssertionError(msg)
-
-
-def expect_raises(exc, fn, text):
-    try:
-        fn()
-    except exc as e:
-        expect(text in str(e), f"{exc.__name__} without {text!r}: {e}")
-        return str(e)
-    raise AssertionError(f"no {exc.__name__} ({text})")
 
 
 # -- 1. BroadcastGlobalVariablesCallback ----------------------------------------------------------

@@ -13,22 +13,9 @@ import numpy as np  # noqa: E402
 
 import fastxfer as fx  # noqa: E402
 from fastxfer.comm import group  # noqa: E402
+from _checks import expect, expect_raises  # noqa: E402
 
 MODE = sys.argv[1]
-
-
-def expect(cond, msg):
-    if not cond:
-        raise AssertionError(msg)
-
-
-def expect_raises(exc, fn, text):
-    try:
-        fn()
-    except exc as e:
-        expect(text in str(e), f"{exc.__name__} without {text!r}: {e}")
-    else:
-        raise AssertionError(f"no {exc.__name__} ({text!r})")
 
 
 def numpy_sets():
