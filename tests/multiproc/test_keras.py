@@ -40,8 +40,10 @@ def test_gradients_are_submitted_during_the_backward_pass(inter_op):
     assert_ok(r, 2, "overlap")
 
 
-def test_sync_batch_normalization_matches_whole_batch():
-    assert_ok(launch(2, W, "syncbn", env=ENV, timeout=900), 2, "syncbn")
+@pytest.mark.parametrize("legacy", ["0", pytest.param("1", marks=pytest.mark.skipif(
+    importlib.util.find_spec("tf_keras") is None, reason="tf-keras not installed"))], ids=["keras3", "tf-keras"])
+def test_sync_batch_normalization_matches_whole_batch(legacy):
+    assert_ok(launch(2, W, "syncbn", env={**ENV, "TF_USE_LEGACY_KERAS": legacy}, timeout=900), 2, "syncbn")
 
 
 def test_callbacks(tmp_path):

@@ -13,10 +13,12 @@ Swap the import and an existing Horovod Keras script runs unchanged::
 Design notes and the table of every Horovod name: docs/keras.md.
 """
 
+import os
+
 from fastxfer import FastxferError, MismatchError, PeerFailureError
 from fastxfer.keras import _optimizer, callbacks, optimizers, schedules
 from fastxfer.keras._collectives import allgather, allreduce, broadcast, reducescatter
-from fastxfer.keras._layers import SyncBatchNormalization
+from fastxfer.keras._layers import SyncBatchNormalization, tf_keras_sync_batch_normalization
 from fastxfer.keras._optimizer import DistributedOptimizer, PartialDistributedOptimizer, load_model
 from fastxfer.keras.optimizers import LARS, RMSpropToSGD
 from fastxfer.keras.schedules import scale_lr
@@ -33,6 +35,9 @@ _optimizer.install_trainer_hook()
 # Horovod scripts pass model.compile(..., experimental_run_tf_function=False), which Keras 3 lacks
 _optimizer.install_compile_shim()
 
+
+if os.environ.get("TF_USE_LEGACY_KERAS") == "1":  # tf.keras is tf-keras: its models take its layers
+    SyncBatchNormalization = tf_keras_sync_batch_normalization()  # noqa: F811
 
 __all__ = ["Average", "Compression", "Compressor", "DistributedOptimizer", "FastxferError", "LARS", "Max", "Min",
            "MismatchError", "PartialDistributedOptimizer", "PeerFailureError", "ProcessSet", "Product",
