@@ -21,3 +21,23 @@ def test_usage_errors(tmp_path):
     env = dict(os.environ, PATH=str(tmp_path))  # an empty PATH: no mpirun
     r = run("-np", "2", "--hosts", "a:1,b:1", "--", "true", env=env)
     assert r.returncode != 0 and "mpirun, which is not on PATH" in r.stderr
+    r = run("-np", "2", "--net", "10.0.0.0/24", "--", "true")
+    assert r.returncode != 0 and "--launch-agent and --net go with --hosts" in r.stderr
+
+
+def test_mpi_environment_for_hosts(capsys):
+    from fastxfer.run import mpi_environment
+
+    base = {"PATH": "/bin"}
+    env = mpi_environment(4, [("h1", 2), ("h2", 2)], "/x/agent", "10.77.0.0/24", base=base, cores=2)
+    assert env["PRTE_MCA_plm_ssh_agent"] == env["OMPI_MCA_plm_rsh_agent"] == "/x/agent"
+    assert env["OMPI_MCA_btl_tcp_if_include"] == env["PRTE_MCA_oob_tcp_if_include"] == "10.77.0.0/24"
+    # 2 ranks per host on 2 cores: Open MPI must yield while it waits, and the launcher says so
+    assert env["OMPI_MCA_mpi_yield_when_idle"] == "1"
+    assert "Open MPI set to yield while it waits" in capsys.readouterr().err
+    # plenty of cores: Open MPI's default; a user's own setting always wins
+    env = mpi_environment(4, [("h1", 2), ("h2", 2)], None, None, base=base, cores=56)
+    assert "OMPI_MCA_mpi_yield_when_idle" not in env and "PRTE_MCA_plm_ssh_agent" not in env
+    env = mpi_environment(4, [("h1", 2), ("h2", 2)], None, None, base={**base, "OMPI_MCA_mpi_yield_when_idle": "0"},
+                          cores=2)
+    assert env["OMPI_MCA_mpi_yield_when_idle"] == "0"

@@ -539,32 +539,33 @@ if __name__ == "__main__":
         fx.shutdown()
         sys.exit(0)
     fx.init()
-    if mode == "sweep":
-        sweep()
-    elif mode == "compressed":
-        compressed()
-    elif mode == "collectives":
-        collectives()
-    elif mode == "bits16":
-        bits16()
-    elif mode == "mismatch":
-        mismatch(sys.argv[2])
-    elif mode == "die":
-        die(sys.argv[2], int(sys.argv[3]), sys.argv[4])
-    elif mode == "hang":
-        hang()
-    elif mode == "shutdown_early":
-        shutdown_early()
-    elif mode == "info":
-        info()
-    elif mode == "join15":
-        join15()
-    elif mode == "dtypes15":
-        dtypes15()
-    elif mode == "alltoall":
-        alltoall()
-    elif mode == "reducescatter":
-        reducescatter()
-    else:
-        raise SystemExit(f"unknown mode {mode}")
+    for mode in sys.argv[1].split(","):  # several modes share one job
+        if mode == "sweep":
+            sweep()
+        elif mode == "compressed":
+            compressed()
+        elif mode == "collectives":
+            collectives()
+        elif mode == "bits16":
+            bits16()
+        elif mode == "mismatch":
+            mismatch(sys.argv[2])
+        elif mode == "die":
+            die(sys.argv[2], int(sys.argv[3]), sys.argv[4])
+        elif mode == "hang":
+            hang()
+        elif mode == "shutdown_early":
+            shutdown_early()
+        elif mode == "info":
+            info()
+        elif mode == "join15":
+            join15()
+        elif mode == "dtypes15":
+            dtypes15()
+        elif mode == "alltoall":
+            alltoall()
+        elif mode == "reducescatter":
+            reducescatter()
+        else:
+            raise SystemExit(f"unknown mode {mode}")
     fx.shutdown()
