@@ -20,6 +20,7 @@ import argparse
 import ctypes
 import glob
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -366,13 +367,57 @@ def mpi_environment(np_: int, hosts: list[tuple[str, int]], agent: str | None, n
     return env
 
 
+# What Open MPI (PRRTE) prints when it loses a host's daemon; it may then exit 0 all the same.
+_LOST_HOST = [re.compile(r"Remote host:\s+(\S+)"),
+              re.compile(r"Remote daemon:.*?on node\s+(\S+)"),
+              re.compile(r"lost communication with a remote daemon.*?(?:on node|node)\s+(\S+)", re.I),
+              re.compile(r"daemon on node\s+(\S+)\s+(?:failed|exited|died)", re.I)]
+_LOST_ANY = re.compile(r"daemon failed to report back|lost communication with a remote daemon|"
+                       r"daemon on node \S+ (?:failed|exited|died)", re.I)
+
+
+class _HostWatch:
+    """Echoes mpirun's output (stdout and stderr: it prints its own help messages on stdout) and
+    notes the hosts it says were lost."""
+
+    def __init__(self, streams):
+        self.lost: list[str] = []
+        self.lost_any = False
+        self.threads = [threading.Thread(target=self._pump, args=(src, dst), daemon=True) for src, dst in streams]
+        for t in self.threads:
+            t.start()
+
+    def join(self, timeout: float) -> None:
+        for t in self.threads:
+            t.join(timeout)
+
+    def _pump(self, stream, out):
+        for line in iter(stream.readline, ""):
+            try:
+                out.write(line)
+                out.flush()
+            except OSError:
+                pass
+            if _LOST_ANY.search(line):
+                self.lost_any = True
+            for pat in _LOST_HOST:
+                m = pat.search(line)
+                if m and m.group(1) not in self.lost:
+                    self.lost.append(m.group(1))
+        stream.close()
+
+
 def run_mpirun(cmd: list[str], env: dict[str, str]) -> int:
     """Runs mpirun (which stops its own ranks on every host) so that it dies with the launcher and
-    hears of a stop signal: SIGINT/SIGTERM/SIGHUP are forwarded to it as SIGTERM."""
+    hears of a stop signal: SIGINT/SIGTERM/SIGHUP are forwarded to it as SIGTERM. A host that
+    mpirun reports lost fails the job, naming the host, whatever mpirun's own exit status (Open MPI
+    5 was seen to exit 0 after losing one)."""
     try:
-        p = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent(os.getpid()))
+        p = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent(os.getpid()), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, errors="replace")
     except (OSError, subprocess.SubprocessError) as e:
         raise SystemExit(f"fastxfer run: cannot start {cmd[0]!r}: {e}") from None
+    watch = _HostWatch([(p.stdout, sys.stdout), (p.stderr, sys.stderr)])
     got: list[int] = []
 
     def forward(signum, _frame):
@@ -385,9 +430,16 @@ def run_mpirun(cmd: list[str], env: dict[str, str]) -> int:
     old = {s: signal.signal(s, forward) for s in STOP_SIGNALS}
     try:
         code = p.wait()
+        watch.join(timeout=10)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+    if watch.lost_any:
+        hosts = ", ".join(watch.lost) if watch.lost else "a host"
+        _say(f"fastxfer run: job failed: lost {'host ' if watch.lost else ''}{hosts} (mpirun says its daemon "
+             f"stopped answering: the host went down, its processes were killed or its link failed); mpirun "
+             f"{describe_exit(code)}")
+        return code if code > 0 else 1
     if got:
         _say(f"fastxfer run: job stopped: the launcher {STOP_SIGNALS[got[0]]}; mpirun {describe_exit(code)}")
         return 128 + got[0]

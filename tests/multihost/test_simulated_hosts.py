@@ -68,3 +68,34 @@ def test_three_hosts_on_a_bridge():
             assert f"INFO rank={g} size=3 local_rank=0 local_size=1" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
         assert_ok(r, 3, "sweep")
         assert_ok(r, 3, "collectives")
+
+
+def test_a_lost_host_fails_the_job_naming_it(tmp_path):
+    """Every process of h2 killed mid-training: Open MPI tears the job down and exits 0 all the same;
+    the launcher exits non-zero naming h2, within seconds, and h1 keeps no segment."""
+    import subprocess
+    import time
+
+    from _launch import finish, start
+
+    loop = tmp_path / "loop.py"
+    loop.write_text("import numpy as np, fastxfer as fx\nfx.init()\nx = np.ones(1 << 18, np.float32)\n"
+                    "print('STARTED', fx.rank(), flush=True)\nwhile True:\n    fx.allreduce(x, op='sum', name='g')\n")
+    with SimHosts(2) as sim:
+        p = start(sim.fastxfer_run(2, [sys.executable, str(loop)]), env=ENV)
+        deadline = time.monotonic() + 120
+        seen = ""
+        while seen.count("STARTED") < 4 and time.monotonic() < deadline:
+            seen += p.stdout.readline()
+        assert seen.count("STARTED") == 4, seen
+        time.sleep(1)
+        t = time.monotonic()
+        sim.kill_host("h2")
+        r = finish(p, timeout=120)
+        took = time.monotonic() - t
+        assert r.returncode != 0, r.stdout[-2000:] + r.stderr[-2000:]
+        assert "fastxfer run: job failed: lost host h2" in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+        assert took < 10, took
+        time.sleep(0.5)
+        assert sim.shm_files("h1") == [], "a segment leaked on the surviving host"
+        assert subprocess.run(sim.command("h1", ["true"])).returncode == 0  # the host itself lives on
