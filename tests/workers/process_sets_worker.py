@@ -97,7 +97,7 @@ def numpy_sets():
 
     # remove: the set's shared memory is unmapped; its ranks' collectives then fail clearly; ids
     # are not reused
-    seg = f"{group.layout().segment}-s{even.process_set_id}"
+    seg = f"{group.layout().segment}-s{even.process_set_id}r0"
 
     def mapped():
         with open("/proc/self/maps") as f:
@@ -260,6 +260,18 @@ def hosts():
         expect(np.array_equal(fx.allreduce(x, op="average", process_set=inside),
                               np.arange(6, dtype=np.float32) * 1.5), "average inside host 0")
     expect(np.array_equal(fx.allreduce(x, op="sum"), np.arange(6, dtype=np.float32) * 10), "global set")
+    # Horovod's communicator form: each rank passes its own half of a split; one id, two groups
+    from mpi4py import MPI
+
+    for ps in across + [inside]:
+        fx.remove_process_set(ps)
+    split = fx.add_process_set(fx.ProcessSet(MPI.COMM_WORLD.Split(color=r % 2, key=r)))
+    expect(split.process_set_id == 4 and split.ranks == [r % 2, r % 2 + 2], split)
+    expect(np.array_equal(fx.allgather(np.array([r]), process_set=split), [r % 2, r % 2 + 2]), "split allgather")
+    # {0} and {1, 2, 3}: the second group has 1 rank on host 0 and 2 on host 1, refused on every rank
+    uneven = fx.ProcessSet(MPI.COMM_WORLD.Split(color=0 if r == 0 else 1, key=r))
+    expect_raises(ValueError, lambda: fx.add_process_set(uneven), "[1, 2, 3] has different numbers of ranks on its "
+                  "hosts (host 0: 1, host 1: 2)")
     fx.shutdown()
     print(f"OK hosts rank {r}", flush=True)
 

@@ -33,6 +33,22 @@ def _agree(what: str, words: list[int], describe) -> None:
                         "the same order")
 
 
+def _agree_on_partition(pid: int, ranks: list[int]) -> list[list[int]]:
+    """ProcessSet(mpi_comm): each rank's communicator may hold other ranks (Horovod's split form:
+    the even ranks' set and the odd ranks' set registered as one id). Every rank must be in its own
+    list and every member of a list must hold the same list; returns the lists (a partition of the
+    ranks that registered a communicator)."""
+    lists = collectives.allgather_object([pid] + ranks, name="process_sets.add_process_set.comm")
+    ok = all(w[0] == lists[0][0] for w in lists)
+    for r, w in enumerate(lists):
+        ok = ok and r in w[1:] and all(lists[m][1:] == w[1:] for m in w[1:])
+    if not ok:
+        per = "; ".join(f"rank {r}: id {w[0]}, ranks {w[1:]}" for r, w in enumerate(lists))
+        raise MismatchError(f"add_process_set: the ranks' communicators do not split the job into groups ({per}); "
+                            "each rank's communicator must hold that rank, and every rank in it the same one")
+    return [list(g) for g in dict.fromkeys(tuple(w[1:]) for w in lists)]
+
+
 def add_process_set(process_set) -> ProcessSet:
     """Register a process set (a ProcessSet, or a list of ranks) and return it, with its id.
     Collective: every rank of the job calls it with the same ranks, in the same order as its other
@@ -51,23 +67,36 @@ def add_process_set(process_set) -> ProcessSet:
         if bad:
             raise ValueError(f"process set ranks {bad} are not ranks of this job (0..{layout.size - 1})")
         pid = process_sets.next_id()
-        _agree("add_process_set", [pid] + ranks, lambda w: f"id {w[0]}, ranks {w[1:]}")
-        other = process_sets.find(ranks)
-        if other is not None:
-            raise ValueError(f"a process set with ranks {ranks} is already registered ({other!r}); Horovod "
-                             "allows one per list of ranks")
-        on_host: dict[int, list[int]] = {}
-        for r in ranks:
-            on_host.setdefault(layout.host_of_rank(r), []).append(r)
-        if len({len(v) for v in on_host.values()}) > 1:
-            raise ValueError(f"process set {ranks} has different numbers of ranks on its hosts "
-                             f"({', '.join(f'host {h}: {len(v)}' for h, v in sorted(on_host.items()))}); the "
-                             "hierarchical transport needs the same number on every host it spans")
+        if ps.mpi_comm is None:
+            _agree("add_process_set", [pid] + ranks, lambda w: f"id {w[0]}, ranks {w[1:]}")
+            groups = [ranks]
+        else:
+            groups = _agree_on_partition(pid, ranks)
+        # every check below reads only what every rank knows alike, so all ranks raise together
+        dup = collectives.allgather(np.array([process_sets.find(ranks) is not None], np.int64),
+                                    name="process_sets.add_process_set.registered")
+        if dup.any():
+            raise ValueError(f"a process set with ranks {ranks if dup[layout.rank] else 'like these'} is already "
+                             "registered; Horovod allows one per list of ranks")
+        spans = {}
+        for g in groups:
+            on_host: dict[int, list[int]] = {}
+            for r in g:
+                on_host.setdefault(layout.host_of_rank(r), []).append(r)
+            if len({len(v) for v in on_host.values()}) > 1:
+                raise ValueError(f"process set {g} has different numbers of ranks on its hosts "
+                                 f"({', '.join(f'host {h}: {len(v)}' for h, v in sorted(on_host.items()))}); the "
+                                 "hierarchical transport needs the same number on every host it spans")
+            spans[tuple(g)] = on_host
+        on_host = spans.get(tuple(ranks), {})
         sub = None
-        if len(on_host) > 1:  # every rank of the job takes part in the split, members or not
+        if any(len(h) > 1 for h in spans.values()):  # every rank of the job takes part in the split
             from mpi4py import MPI
 
-            sub = layout.mpi_comm.Split(color=0 if layout.rank in ranks else MPI.UNDEFINED, key=layout.rank)
+            mine = layout.rank in ranks and len(on_host) > 1
+            sub = layout.mpi_comm.Split(color=ranks[0] if mine else MPI.UNDEFINED, key=layout.rank)
+            if not mine:
+                sub = None
         engine = None
         if layout.rank in ranks:
             host = layout.host_of_rank(layout.rank)
@@ -81,7 +110,9 @@ def add_process_set(process_set) -> ProcessSet:
             if timeline:
                 root, ext = os.path.splitext(timeline)
                 timeline = f"{root}.set{pid}{ext}"
-            engine = group.make_engine(group.settings(), f"{layout.segment}-s{pid}", mine.index(layout.rank),
+            # one id may name several disjoint groups (the communicator form): the first rank tells
+            # their segments apart
+            engine = group.make_engine(group.settings(), f"{layout.segment}-s{pid}r{ranks[0]}", mine.index(layout.rank),
                                        len(mine), inter, timeline, layout.rank, mine, ranks)
         process_sets.record(ps, engine)
         return ps
