@@ -63,11 +63,11 @@ def test_ranks_that_disagree_across_hosts_get_a_mismatch_on_every_rank(two_hosts
 
 def test_three_hosts_on_a_bridge():
     with SimHosts(3) as sim:
-        r = _run(sim, 1, "collectives_worker.py", "info,sweep,collectives")
+        r = _run(sim, 1, "collectives_worker.py", "info,sweep,collectives,compressed")
         for g in range(3):
             assert f"INFO rank={g} size=3 local_rank=0 local_size=1" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
-        assert_ok(r, 3, "sweep")
-        assert_ok(r, 3, "collectives")
+        for mode in ("sweep", "collectives", "compressed"):  # compressed: 16-bit sums rounded once on 3 hosts
+            assert_ok(r, 3, mode)
 
 
 def test_a_lost_host_fails_the_job_naming_it(tmp_path):

@@ -32,6 +32,13 @@ def test_hierarchical_results_exact(mode):
     assert fastxfer_segments() == before
 
 
+def test_16_bit_sums_across_three_hosts_round_once():
+    """bf16/fp16 across 3 emulated hosts: bit-exact against the contract (each host's partial
+    rounded for the wire, the partials added in float32 and rounded once), within a bound that does
+    not grow with the number of hosts."""
+    assert_ok(mpi_launch(6, W, "compressed", per_host=2), 6, "compressed")
+
+
 def test_launcher_hands_off_to_mpirun():
     r = launch(2, W, "info", launcher_args=["--hosts", "localhost:2"], env=MPI_ENV)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -93,7 +93,35 @@ class MPIInterHost:
 
     # -- InterHost ----------------------------------------------------------------------------------
     def allreduce_shard(self, buf: np.ndarray, dtype: str, op: str) -> None:
-        self._reduce(self.cross, buf, dtype, op)
+        if dtype in ("bfloat16", "float16") and op in ("sum", "average") and self.cross.Get_size() > 2:
+            self._sum16_once(buf, dtype)
+        else:
+            self._reduce(self.cross, buf, dtype, op)
+
+    def _sum16_once(self, buf: np.ndarray, dtype: str) -> None:
+        """A 16-bit sum across 3 or more hosts, rounded once: MPI's reduction tree would round each
+        partial sum, so the error would grow with the number of hosts. Each host sends the j-th
+        piece of its shard (still 16-bit on the wire) to host j, which adds the pieces in float32,
+        in host order, and rounds once; an allgather returns every piece to every host. The same
+        bytes move as in a ring allreduce (docs/algorithms.md, "Across hosts")."""
+        MPI = self._MPI
+        comm = self.cross
+        hosts, me = comm.Get_size(), comm.Get_rank()
+        x = buf.view(np.uint16)
+        n = x.size
+        counts = [n // hosts + (1 if j < n % hosts else 0) for j in range(hosts)]
+        displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
+        k = counts[me]
+        recv = np.empty(hosts * k, np.uint16)
+        comm.Alltoallv([x, (counts, displs), MPI.UINT16_T], [recv, ([k] * hosts, [k * j for j in range(hosts)]),
+                                                               MPI.UINT16_T])
+        wire = check.DTYPES[dtype]
+        pieces = recv.view(wire).reshape(hosts, k)
+        acc = pieces[0].astype(np.float32)
+        for j in range(1, hosts):
+            acc += pieces[j].astype(np.float32)
+        mine = np.ascontiguousarray(acc.astype(wire)).view(np.uint16)
+        comm.Allgatherv([mine, MPI.UINT16_T], [x, (counts, displs), MPI.UINT16_T])
 
     def min_all(self, v: int) -> int:
         return self.world.allreduce(int(v), op=self._MPI.MIN)
