@@ -229,17 +229,6 @@ exec nsenter -t "$pid" -n -u -m -- sh -c "$*"
                 except (FileNotFoundError, ProcessLookupError, PermissionError):
                     pass
 
-    def link_down(self, host: int | str) -> None:
-        """Take a host's network link down (its processes live on)."""
-        _run(["nsenter", "-t", str(self.pid(host)), "-n", "ip", "link", "set", "eth0", "down"])
-
-    def link_bytes(self, host: int | str) -> tuple[int, int]:
-        """(received, sent) bytes on a host's link so far."""
-        base = ["nsenter", "-t", str(self.pid(host)), "-n", "cat"]
-        rx = int(_run(base + ["/sys/class/net/eth0/statistics/rx_bytes"]).stdout)
-        tx = int(_run(base + ["/sys/class/net/eth0/statistics/tx_bytes"]).stdout)
-        return rx, tx
-
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fastxfer.simhosts", description=__doc__.split("\n\n")[0])

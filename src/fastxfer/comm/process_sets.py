@@ -261,11 +261,6 @@ def forget(ps: ProcessSet) -> None:
         _sets.pop(pid, None)
 
 
-def registered() -> list[ProcessSet]:
-    """Every registered set, the global one first."""
-    return [global_process_set] + [_sets[k] for k in sorted(_sets)]
-
-
 def _after_fork_in_child() -> None:
     # The parent's set engines belong to the parent (see group._after_fork_in_child).
     global _lock
