@@ -143,12 +143,16 @@ class Job:
         # where a rank that gives up waiting names the rank that stalled (csrc/transport/shm/segment.cc)
         self.report_dir = tempfile.mkdtemp(prefix=f"{REPORT_PREFIX}{os.getpid()}-")
 
-    def _env(self, rank: int) -> dict[str, str]:
+    def _base_env(self, slot: int) -> dict[str, str]:
         env = dict(os.environ)
         env.update(self.extra_env)
         if self.placement is not None:
-            for k, v in self.placement[rank]["env"].items():
+            for k, v in self.placement[slot]["env"].items():
                 env.setdefault(k, v)  # the user's own settings win
+        return env
+
+    def _env(self, rank: int, worker: int | None = None) -> dict[str, str]:
+        env = self._base_env(rank)
         env.update({
             "FASTXFER_RANK": str(rank),
             "FASTXFER_SIZE": str(self.np),
@@ -167,34 +171,41 @@ class Job:
             # workers would be killed when that thread ends, not when the launcher does
             raise RuntimeError("Job.start() must run on the main thread (workers die with the thread that "
                                "started them)")
-        width = len(str(self.np - 1))
         preexec = die_with_parent(os.getpid())
         for r in range(self.np):
             if self.interrupted is not None:
                 break  # told to stop while starting: wait() stops the ranks already running
-            cmd = self.command
-            if self.placement is not None:
-                w = self.placement[r]
-                # by file, not `-m`: `-m` would put the working directory first on sys.path
-                bindexec = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bindexec.py")
-                cmd = [sys.executable, bindexec, "--cpus", w["cpus"], "--mems", ",".join(map(str, w["mem_nodes"])),
-                       "--"] + cmd
-            try:
-                p = subprocess.Popen(cmd, env=self._env(r), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=preexec)
-            except (OSError, subprocess.SubprocessError) as e:
-                self.signal_all(signal.SIGKILL)
-                shutil.rmtree(self.report_dir, ignore_errors=True)
-                why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-                raise SystemExit(f"fastxfer run: cannot start {self.command[0]!r}: {why}") from None
-            self.procs.append(p)
-            waiter = threading.Thread(target=self._wait_one, args=(r, p), daemon=True)
-            waiter.start()
-            prefix = f"[{r:>{width}}] ".encode()
-            for stream, out in ((p.stdout, sys.stdout.buffer), (p.stderr, sys.stderr.buffer)):
-                t = threading.Thread(target=_pump, args=(stream, out, prefix, self.lock), daemon=True)
-                t.start()
-                self.pumps.append(t)
+            self.spawn(r, preexec)
+
+    def spawn(self, r: int, preexec, slot: int | None = None) -> subprocess.Popen:
+        """Start worker `r` (on the main thread: see start()) in placement `slot` (default: r); its
+        output is prefixed with [r]."""
+        width = len(str(self.np - 1))
+        cmd = self.command
+        if self.placement is not None:
+            w = self.placement[r if slot is None else slot]
+            # by file, not `-m`: `-m` would put the working directory first on sys.path
+            bindexec = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bindexec.py")
+            cmd = [sys.executable, bindexec, "--cpus", w["cpus"], "--mems", ",".join(map(str, w["mem_nodes"])),
+                   "--"] + cmd
+        env = self._env(r if slot is None else slot, r)
+        try:
+            p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=preexec)
+        except (OSError, subprocess.SubprocessError) as e:
+            self.signal_all(signal.SIGKILL)
+            shutil.rmtree(self.report_dir, ignore_errors=True)
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise SystemExit(f"fastxfer run: cannot start {self.command[0]!r}: {why}") from None
+        self.procs.append(p)
+        waiter = threading.Thread(target=self._wait_one, args=(r, p), daemon=True)
+        waiter.start()
+        prefix = f"[{r:>{width}}] ".encode()
+        for stream, out in ((p.stdout, sys.stdout.buffer), (p.stderr, sys.stderr.buffer)):
+            t = threading.Thread(target=_pump, args=(stream, out, prefix, self.lock), daemon=True)
+            t.start()
+            self.pumps.append(t)
+        return p
 
     def _wait_one(self, rank: int, p: subprocess.Popen) -> None:
         p.wait()
@@ -458,6 +469,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "COMMAND...`), e.g. the simulated hosts' nsenter agent (python -m fastxfer.simhosts)")
     p.add_argument("--net", metavar="CIDR",
                    help="with --hosts: the subnet MPI's TCP traffic (and its daemons') must use, e.g. 10.0.0.0/24")
+    p.add_argument("--min-np", type=int, metavar="M",
+                   help="elastic: keep the job going while at least M workers remain (the script uses "
+                        "fastxfer's elastic.run; docs/elastic.md)")
+    p.add_argument("--max-np", type=int, metavar="K",
+                   help="elastic: at most K workers in a generation (default -np)")
+    p.add_argument("--max-restarts", type=int, default=None, metavar="R",
+                   help="elastic: start a new worker in a failed one's place, R times in all (default 0)")
     p.add_argument("--grace", type=float, default=float(os.environ.get("FASTXFER_GRACE", 10)),
                    help="seconds the other ranks get to stop by themselves after one fails (default 10)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- the command each worker runs")
@@ -479,6 +497,10 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"fastxfer run: {e}") from None
     sweep_stale_segments()
     sweep_stale_report_dirs()
+    elastic = any(getattr(args, k, None) is not None for k in ("min_np", "max_np", "max_restarts"))
+    if elastic and args.hosts:
+        raise SystemExit("fastxfer run: elastic jobs (--min-np/--max-np/--max-restarts) run on one host for now; "
+                         "across hosts, see docs/elastic.md for how it would run over MPI")
     if args.hosts:
         hosts = parse_hosts(args.hosts)
         cmd = mpirun_command(args.np, hosts, command)
@@ -497,7 +519,19 @@ def main(args: argparse.Namespace) -> int:
             raise SystemExit(f"fastxfer run: cannot place {args.np} workers: {e}") from None
         for w in placement:
             print(f"fastxfer run: rank {w['local_rank']}: {w['numactl']}", file=sys.stderr, flush=True)
-    job = Job(args.np, command, args.grace, placement=placement)
+    if elastic:
+        from fastxfer.run_elastic import ElasticJob
+
+        min_np = args.np if args.min_np is None else args.min_np
+        max_np = args.np if args.max_np is None else args.max_np
+        restarts = args.max_restarts or 0
+        if not 1 <= min_np <= args.np <= max_np:
+            raise SystemExit(f"fastxfer run: need 1 <= --min-np ({min_np}) <= -np ({args.np}) <= --max-np ({max_np})")
+        if restarts < 0:
+            raise SystemExit("fastxfer run: --max-restarts must be >= 0")
+        job = ElasticJob(args.np, command, args.grace, min_np, max_np, restarts, placement=placement)
+    else:
+        job = Job(args.np, command, args.grace, placement=placement)
     job.catch_stop_signals()
     job.start()
     return job.wait()

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from fastxfer import _core, topology
 from fastxfer import _validate as check
-from fastxfer.comm import segments
+from fastxfer.comm import rendezvous, segments
 from fastxfer.comm.mpi import MPIInterHost
 from fastxfer.errors import FastxferError
 
@@ -46,6 +46,7 @@ class Layout:
     inter_host: MPIInterHost | None = None  # the link between hosts when the job spans several
     host_of: tuple[int, ...] = ()  # each rank's host index (hosts in order of their lowest rank)
     mpi_comm: object = None  # COMM_WORLD when the layout came from an MPI rendezvous
+    generation: int = 0  # elastic jobs: which generation of the group this is (comm/rendezvous.py)
 
     def host_of_rank(self, r: int) -> int:
         return self.host_of[r] if self.host_of else 0
@@ -123,12 +124,35 @@ def _mpi_rendezvous(rank: int, size: int, source: str) -> Layout:
                   tuple(order.index(h) for h in hosts), comm)
 
 
+def _launcher_of(job: str) -> int:
+    try:
+        return int(job.split("-", 1)[0])
+    except ValueError:
+        raise FastxferError(f"FASTXFER_JOB_ID={job!r} does not start with the launcher's pid") from None
+
+
+def _elastic_layout() -> Layout:
+    """An elastic job's layout: the launcher's rendezvous assigns rank, size and generation; the
+    generation picks the segment name (one host)."""
+    job = os.environ.get("FASTXFER_JOB_ID", "")
+    secret = os.environ.get("FASTXFER_JOB_SECRET", "")
+    if not job or len(secret) < 32:
+        raise FastxferError("an elastic worker needs FASTXFER_JOB_ID and FASTXFER_JOB_SECRET (set by `fastxfer run "
+                            "--min-np`)")
+    m = rendezvous.join()
+    name = segments.job_segment_name(_launcher_of(job), job, secret, int(m["generation"]))
+    rank, size = int(m["rank"]), int(m["size"])
+    return Layout(rank, size, rank, size, segments.path(name), "fastxfer run (elastic)", generation=int(m["generation"]))
+
+
 def detect_layout(generation: int = 0) -> Layout:
     """The layout from the launcher's environment (see the table above); FastxferError when it is inconsistent.
 
     ``generation`` counts this process's init()s; under `fastxfer run` it picks the segment name
     (every rank of a host counts the same, so they agree on it without talking)."""
     env = os.environ
+    if rendezvous.is_elastic():
+        return _elastic_layout()
     if "FASTXFER_RANK" in env or "FASTXFER_SIZE" in env:
         rank, size = _int_env(["FASTXFER_RANK"]), _int_env(["FASTXFER_SIZE"])
         job = env.get("FASTXFER_JOB_ID", "")
@@ -140,10 +164,7 @@ def detect_layout(generation: int = 0) -> Layout:
             raise FastxferError("FASTXFER_JOB_SECRET is too short to be unguessable (`fastxfer run` sets 64 hex digits)")
         if not 0 <= rank < size:
             raise FastxferError(f"FASTXFER_RANK={rank} is outside 0..{size - 1}")
-        try:
-            launcher = int(job.split("-", 1)[0])
-        except ValueError:
-            raise FastxferError(f"FASTXFER_JOB_ID={job!r} does not start with the launcher's pid") from None
+        launcher = _launcher_of(job)
         local_rank = _int_env(["FASTXFER_LOCAL_RANK"])
         local_size = _int_env(["FASTXFER_LOCAL_SIZE"])
         name = segments.job_segment_name(launcher, job, secret, generation)
@@ -171,6 +192,7 @@ _shutdown_hooks: list[Callable[[], None]] = []
 _before_shutdown: list[Callable[[], None]] = []
 _after_init: list[Callable[[list], None]] = []  # init(process_sets=...): comm/set_registration.py
 _at_exit: list[Callable[[], None]] = []  # before the exit-time shutdown (comm/process_sets.py)
+_init_args: dict = {}  # the last init()'s keyword arguments: an elastic reset joins again with them
 _settings: dict = {}  # init()'s engine settings, for the engines of process sets (comm/process_sets.py)
 
 
@@ -271,6 +293,8 @@ def init(comm=None, process_sets=None, *, timeout: float | None = None, engine_c
             return
         if _forked_from is not None:
             raise _forked_error()
+        _init_args.clear()
+        _init_args.update(timeout=timeout, engine_cpus=engine_cpus, bucket_cap_mb=bucket_cap_mb)
         generation = _generation
         _generation += 1  # every init() that gets this far, failed ones too: all ranks count alike
         layout = detect_layout(generation)
@@ -308,6 +332,11 @@ def init(comm=None, process_sets=None, *, timeout: float | None = None, engine_c
     if isinstance(process_sets, list) and process_sets:
         for callback in list(_after_init):
             callback(process_sets)
+
+
+def init_args() -> dict:
+    """The keyword arguments of the last init() (timeout, engine_cpus, bucket_cap_mb)."""
+    return dict(_init_args)
 
 
 def _is_comm_world(comm) -> bool:

@@ -53,6 +53,16 @@ _set_names: dict[int, itertools.count] = {}
 _CHAIN = "_fastxfer_last_submit"  # graph attribute: the latest submit op of that graph
 
 
+@fx.comm.group.on_shutdown
+def _forget_names() -> None:
+    # eager names are per job: after a shutdown (an elastic reset, say) every rank, old or new,
+    # numbers them from 0 again
+    global _trace_names
+    with _lock:
+        _trace_names = itertools.count()
+        _set_names.clear()
+
+
 def check_op(op, average=None) -> str:
     """The reduction op name (Average, Sum, Min, Max or Product); ``average`` is Horovod's older keyword
     (True: Average, False: Sum) and wins when given."""

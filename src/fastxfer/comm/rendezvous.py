@@ -1,0 +1,276 @@
+"""Elastic rendezvous: how the workers of `fastxfer run --min-np M` agree on each generation of
+the group (who is in it, in which rank order) with the launcher as the only coordinator.
+
+The launcher (run_elastic.py) owns a :class:`Rendezvous` and serves it on a Unix socket inside its
+private report folder (mode 0700: only the job's user can reach it; every request also carries the
+job secret, which only the workers' environment holds). A worker talks to it in two ways:
+
+- ``join`` (from init()): "put me in the next generation". The reply -- generation number, rank,
+  size -- comes when the generation is formed: every worker the launcher expects in it has asked.
+  The generation number picks the shared-memory segment's name, so every member derives the same
+  name without another round.
+- ``poll`` (from ``state.commit()`` on rank 0): "is a change waiting?" -- a restarted or added
+  worker that asked to join; the members then re-form at the same commit (elastic.py).
+
+Who is expected in a generation (the launcher decides, from what it sees of its children):
+
+- the first: the N workers it started;
+- after a member failed: the members still alive, in their old rank order (a worker that stalls
+  instead of dying is killed when it does not come within the rendezvous timeout); newcomers
+  (restarted workers) only when fewer than ``min_np`` members are left;
+- after a member's ``join`` without a failure (the members saw a pending newcomer at a commit):
+  the members alive plus the newcomers waiting, up to ``max_np``.
+
+The protocol is one JSON object per line each way, one request per connection.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import json
+import os
+import socket
+import threading
+import time
+
+from fastxfer.errors import FastxferError, PeerFailureError
+
+SOCKET_ENV = "FASTXFER_ELASTIC_SOCKET"
+WORKER_ENV = "FASTXFER_WORKER_ID"
+_MAX_LINE = 1 << 16
+
+
+def _read_line(sock: socket.socket) -> bytes:
+    buf = bytearray()
+    while not buf.endswith(b"\n"):
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        buf += chunk
+        if len(buf) > _MAX_LINE:
+            raise ValueError("rendezvous message too long")
+    return bytes(buf)
+
+
+# -- worker side ------------------------------------------------------------------------------------
+def is_elastic() -> bool:
+    """Whether this process was started by an elastic launcher (`fastxfer run --min-np`)."""
+    return bool(os.environ.get(SOCKET_ENV))
+
+
+def _request(op: str, timeout: float | None) -> dict:
+    path = os.environ.get(SOCKET_ENV, "")
+    worker = os.environ.get(WORKER_ENV, "")
+    secret = os.environ.get("FASTXFER_JOB_SECRET", "")
+    if not path or not worker or not secret:
+        raise FastxferError(f"{SOCKET_ENV}, {WORKER_ENV} and FASTXFER_JOB_SECRET must all be set (by "
+                            "`fastxfer run --min-np`)")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.settimeout(timeout)
+        try:
+            s.connect(path)
+            s.sendall(json.dumps({"op": op, "worker": worker, "secret": secret}).encode() + b"\n")
+            line = _read_line(s)
+        except socket.timeout:
+            raise PeerFailureError(f"the elastic launcher did not answer '{op}' within {timeout:g} s") from None
+        except OSError as e:
+            raise PeerFailureError(f"cannot reach the elastic launcher at {path} ({e.strerror or e}): it has "
+                                   "stopped") from None
+    finally:
+        s.close()
+    if not line:
+        raise PeerFailureError("the elastic launcher closed the connection without an answer: it has stopped")
+    reply = json.loads(line)
+    if "error" in reply:
+        raise FastxferError(f"elastic launcher: {reply['error']}")
+    return reply
+
+
+def join() -> dict:
+    """Blocks until the launcher forms a generation with this worker in it; returns
+    ``{"generation", "rank", "size"}``."""
+    return _request("join", None)
+
+
+def poll() -> dict:
+    """``{"generation", "pending"}``: the current generation and whether a worker waits to join."""
+    return _request("poll", 60.0)
+
+
+# -- launcher side ----------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Generation:
+    number: int
+    members: list[str]  # worker ids in rank order
+    formed_at: float
+
+
+class Rendezvous:
+    """The launcher's view of the group: which workers are alive, who is in the current generation,
+    who waits to join. Thread-safe; serve() answers the workers' requests on its own threads."""
+
+    def __init__(self, secret: str, directory: str, min_np: int, max_np: int, timeout: float = 60.0):
+        self.secret = secret
+        self.path = os.path.join(directory, "rendezvous.sock")
+        self.min_np, self.max_np, self.timeout = min_np, max_np, timeout
+        self.cond = threading.Condition()
+        self.current: Generation | None = None
+        self.history: list[Generation] = []
+        self.alive: list[str] = []          # started and not exited, in start order
+        self.waiting: dict[str, float] = {}  # worker -> when it asked to join
+        self.expected: list[str] | None = None  # the next generation's members, while one is forming
+        self.forming_since = 0.0
+        self.closed: str | None = None
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+
+    # the launcher's events
+    def started(self, worker: str) -> None:
+        with self.cond:
+            self.alive.append(worker)
+
+    def expect_first(self, workers: list[str]) -> None:
+        with self.cond:
+            self.expected = list(workers)
+            self.forming_since = time.monotonic()
+
+    def exited(self, worker: str, failed: bool) -> None:
+        """A worker exited. A failed member starts the forming of a generation without it."""
+        with self.cond:
+            if worker in self.alive:
+                self.alive.remove(worker)
+            self.waiting.pop(worker, None)
+            if self.expected is not None and worker in self.expected:
+                self.expected.remove(worker)
+            elif failed and self.current is not None and worker in self.current.members and self.expected is None:
+                self._begin(after_failure=True)
+            self._maybe_form()
+            self.cond.notify_all()
+
+    def close(self, why: str) -> None:
+        with self.cond:
+            self.closed = why
+            self.cond.notify_all()
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+
+    def overdue(self) -> list[str]:
+        """Expected workers that have not asked to join within the timeout of the forming."""
+        with self.cond:
+            if self.expected is None or time.monotonic() - self.forming_since < self.timeout:
+                return []
+            return [w for w in self.expected if w not in self.waiting]
+
+    def pending(self) -> list[str]:
+        """Newcomers waiting to join (not members of the current generation)."""
+        with self.cond:
+            members = set(self.current.members) if self.current else set()
+            return [w for w in self.waiting if w not in members]
+
+    def members(self) -> list[str]:
+        with self.cond:
+            return list(self.current.members) if self.current else []
+
+    # forming
+    def _begin(self, after_failure: bool) -> None:
+        members = [w for w in self.current.members if w in self.alive] if self.current else []
+        newcomers = [w for w in self.alive if w not in members]
+        if after_failure:
+            # survivors only, unless too few are left: then the restarted workers as well
+            extra = newcomers if len(members) < self.min_np else []
+        else:
+            extra = [w for w in newcomers if w in self.waiting]
+        self.expected = (members + extra)[:self.max_np]
+        self.forming_since = time.monotonic()
+
+    def _maybe_form(self) -> None:
+        if self.expected is None or any(w not in self.waiting for w in self.expected):
+            return
+        if not self.expected:
+            return  # nobody left to form a generation: the launcher ends the job
+        number = self.current.number + 1 if self.current else 0
+        gen = Generation(number, list(self.expected), time.monotonic())
+        self.current = gen
+        self.history.append(gen)
+        self.expected = None
+        for w in gen.members:
+            self.waiting.pop(w, None)
+        self.cond.notify_all()
+
+    def _join(self, worker: str) -> dict:
+        with self.cond:
+            if worker not in self.alive:
+                return {"error": f"worker {worker} is not one of this job's running workers"}
+            self.waiting[worker] = time.monotonic()
+            if self.expected is None and self.current is not None:
+                if worker in self.current.members:
+                    self._begin(after_failure=False)  # a member re-forms: after a failure or at a commit
+                # else: a newcomer; the members see it at their next commit (poll) and re-form
+            self._maybe_form()
+            self.cond.notify_all()
+            while True:
+                if self.closed is not None:
+                    return {"error": self.closed}
+                if worker not in self.alive:
+                    return {"error": f"worker {worker} was stopped by the launcher"}
+                gen = self.current
+                if gen is not None and worker in gen.members and worker not in self.waiting:
+                    return {"generation": gen.number, "rank": gen.members.index(worker), "size": len(gen.members)}
+                self.cond.wait(1.0)
+
+    def _poll(self, worker: str) -> dict:
+        with self.cond:
+            gen = self.current
+            members = set(gen.members) if gen else set()
+            room = len(gen.members) < self.max_np if gen else False
+            waiting = [w for w in self.waiting if w not in members and w in self.alive]
+            return {"generation": gen.number if gen else -1, "pending": bool(waiting) and room}
+
+    # serving
+    def serve(self) -> None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(self.path)
+        os.chmod(self.path, 0o600)
+        s.listen(64)
+        self._sock = s
+        self._thread = threading.Thread(target=self._accept, name="fastxfer-rendezvous", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while self.closed is None:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(30)
+            try:
+                req = json.loads(_read_line(conn) or b"{}")
+            except (ValueError, OSError):
+                return
+            conn.settimeout(None)
+            if not isinstance(req, dict) or not hmac.compare_digest(str(req.get("secret", "")), self.secret):
+                reply = {"error": "request refused: not from a worker of this job"}
+            elif req.get("op") == "join":
+                reply = self._join(str(req.get("worker")))
+            elif req.get("op") == "poll":
+                reply = self._poll(str(req.get("worker")))
+            else:
+                reply = {"error": f"unknown request {req.get('op')!r}"}
+            conn.sendall(json.dumps(reply).encode() + b"\n")
+        except OSError:
+            pass
+        finally:
+            conn.close()
