@@ -63,6 +63,20 @@ int32_t c_submit(const fx_request* q, fx_done_fn done, void* ctx, char* err, siz
         r.out == nullptr)
       throw std::invalid_argument("null output buffer");
     if (q->nsplits > 0) r.splits.assign(q->splits, q->splits + q->nsplits);
+    std::shared_lock<std::shared_mutex> lk(g_mu);
+    if (!g_engine) {
+      copy_message(err, errlen, "fastxfer is not initialised: call fastxfer.init() first");
+      return FX_NOT_INITIALIZED;
+    }
+    Engine* eng = g_engine.get();
+    if (q->process_set != 0) {
+      auto it = g_sets.find(q->process_set);
+      if (it == g_sets.end())
+        throw std::invalid_argument("process set " + std::to_string(q->process_set) +
+                                    " is not registered on this rank (removed, or this rank is not one of its ranks)");
+      eng = it->second.get();
+    }
+    if (r.op == ReduceOp::kAverage) r.postscale /= static_cast<double>(eng->size());
     r.rec = make_record(r.kind, q->name ? q->name : "", r.dtype, shape, r.op, r.compression, r.root, r.prescale,
                         r.postscale);
     r.rec.bucket_cap = q->bucket_cap;
@@ -70,17 +84,8 @@ int32_t c_submit(const fx_request* q, fx_done_fn done, void* ctx, char* err, siz
       done(ctx, static_cast<int32_t>(kind), msg.c_str(), req.gathered.data(), req.gathered.size(), req.gathered_rows,
            req.recv_splits.data(), static_cast<int32_t>(req.recv_splits.size()));
     };
-    std::shared_lock<std::shared_mutex> lk(g_mu);
-    if (!g_engine) {
-      copy_message(err, errlen, "fastxfer is not initialised: call fastxfer.init() first");
-      return FX_NOT_INITIALIZED;
-    }
     if (q->process_set != 0) {
-      auto it = g_sets.find(q->process_set);
-      if (it == g_sets.end())
-        throw std::invalid_argument("process set " + std::to_string(q->process_set) +
-                                    " is not registered on this rank (removed, or this rank is not one of its ranks)");
-      it->second->submit(std::move(r));
+      eng->submit(std::move(r));
       return FX_OK;
     }
     g_engine->submit(std::move(r));

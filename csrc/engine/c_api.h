@@ -18,7 +18,7 @@
 extern "C" {
 #endif
 
-#define FX_C_API_VERSION 3
+#define FX_C_API_VERSION 4
 
 /* Values of fastxfer::CollectiveKind, DType, ReduceOp and Compression (common/). */
 enum { FX_ALLREDUCE = 0, FX_BROADCAST = 1, FX_ALLGATHER = 2, FX_ALLTOALL = 6, FX_REDUCESCATTER = 7 };
@@ -36,7 +36,9 @@ typedef struct fx_request {
   int32_t op;            /* fastxfer::ReduceOp */
   int32_t compression;   /* fastxfer::Compression (float32 only) */
   int32_t root;          /* broadcast */
-  double prescale, postscale;
+  double prescale, postscale; /* op average: postscale is multiplied by 1/size of the engine that runs
+                                 the request, when it is submitted (an elastic job's size can change
+                                 after a graph holding the op was traced) */
   int64_t bucket_cap;    /* bytes; 0: the engine's default */
   const void* in;
   void* out;             /* allreduce/broadcast: numel elements; may equal `in` (in place). Allgather,

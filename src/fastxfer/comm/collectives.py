@@ -154,11 +154,14 @@ def _allreduce(array, op, compression, name, prescale, postscale, out, bucket_ca
     return _submit("allreduce", name, a, out, op, compression, 0, prescale, post, bucket_cap=cap, sync=sync, ps=ps)
 
 
-def allreduce_settings(dtype, op, compression, prescale, postscale, bucket_cap_mb, size=None):
+def allreduce_settings(dtype, op, compression, prescale, postscale, bucket_cap_mb, size=None, divide=True):
     """Checks an allreduce's options for arrays of ``dtype`` and returns what the engine is given:
     (op, compression, prescale, postscale, bucket cap in bytes), the postscale including the
-    1/size of an average (``size``: the ranks taking part, default every rank). Shared by the numpy and the TensorFlow collectives, so both describe
-    (and compute) the same reduction."""
+    1/size of an average (``size``: the ranks taking part, default every rank). Shared by the
+    numpy and the TensorFlow collectives, so both describe (and compute) the same reduction.
+    ``divide=False`` leaves an average's 1/size out: the native TensorFlow ops' requests get it
+    from the engine that runs them, when they are submitted (engine/c_api.cc), so a graph traced
+    before an elastic job changed size averages over the new size."""
     dtype = np.dtype(dtype)
     op = check.op(op)
     compression = check.compression(compression, dtype)
@@ -176,7 +179,10 @@ def allreduce_settings(dtype, op, compression, prescale, postscale, bucket_cap_m
             raise TypeError(f"{dtype.name} arrays cannot be scaled")
     if dtype in (check.DTYPES["float16"], check.DTYPES["bfloat16"]) and prescale != 1.0:
         raise ValueError(f"prescale is not supported for {dtype.name} arrays (scale in float32 first)")
-    post = postscale / (group.size() if size is None else size) if op == "average" else postscale
+    if op == "average" and divide:
+        post = postscale / (group.size() if size is None else size)
+    else:
+        post = postscale
     return op, compression, float(prescale), float(post), check.bucket_cap_bytes(bucket_cap_mb)
 
 

@@ -105,6 +105,7 @@ class Loader:
             self.mean = np.asarray(mean, np.float32)
             self.std = np.asarray(std, np.float32)
             self.epoch = 0
+            self.start = 0  # records of this epoch's order the job has already trained on (resume)
             self.skipped = 0  # bad records met (each time it is read), see the module docstring
             self.skipped_batches = 0  # batches none of whose records could be read (filled from other records)
             if decoder not in ("auto", "native", "numba"):
@@ -161,14 +162,47 @@ class Loader:
     def set_epoch(self, epoch: int) -> None:
         """Reshuffle (train) for this epoch; every rank must call it with the same value."""
         self.epoch = int(epoch)
+        self.start = 0
+
+    def resume(self, epoch: int, start: int = 0, rank: int | None = None, size: int | None = None) -> None:
+        """Go on with epoch ``epoch`` after the first ``start`` records of its order, shared out
+        afresh among ``size`` ranks (default: the job's current rank and size) -- after an elastic
+        reset, the group may have a new size.
+
+        The epoch's order is the same permutation on every rank; the ranks have trained on a prefix
+        of it (each step takes the next ``batch_size x size`` records), so ``start`` is the number
+        of steps done times the global batch (``loader.global_batch`` then). The rest of the order
+        is dealt out to the new ranks: no record of the epoch is lost or seen twice because of the
+        reset (at most ``size - 1`` of the tail are left out, as in any epoch, so that every rank
+        has the same number of batches)."""
+        if rank is None or size is None:
+            import fastxfer as fx
+
+            r, s = (fx.rank(), fx.size()) if fx.is_initialized() else (0, 1)
+            rank = r if rank is None else rank
+            size = s if size is None else size
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} is outside 0..{size - 1}")
+        start = int(start)
+        if not 0 <= start <= len(self.ds):
+            raise ValueError(f"start {start} is outside 0..{len(self.ds)} (the records of the pack)")
+        self.rank, self.size = int(rank), int(size)
+        self.epoch = int(epoch)
+        self.start = start
+
+    @property
+    def global_batch(self) -> int:
+        """Records the whole job takes per step: batch_size x size."""
+        return self.batch_size * self.size
 
     def indices(self) -> np.ndarray:
         n = len(self.ds)
         if self.train:
             perm = np.random.default_rng(np.random.SeedSequence([self.seed, self.epoch])).permutation(n)
-            per_rank = n // self.size
-            return perm[self.rank::self.size][:per_rank]
-        return np.arange(n)[self.rank::self.size]
+            rest = perm[self.start:]
+            per_rank = len(rest) // self.size
+            return rest[self.rank::self.size][:per_rank]
+        return np.arange(n)[self.start:][self.rank::self.size]
 
     def __len__(self) -> int:
         m = len(self.indices())

@@ -16,7 +16,7 @@ Design notes and the table of every Horovod name: docs/keras.md.
 import os
 
 from fastxfer import FastxferError, MismatchError, PeerFailureError
-from fastxfer.keras import _optimizer, callbacks, optimizers, schedules
+from fastxfer.keras import _optimizer, callbacks, elastic, optimizers, schedules
 from fastxfer.keras._collectives import allgather, allreduce, broadcast, reducescatter
 from fastxfer.keras._layers import SyncBatchNormalization, tf_keras_sync_batch_normalization
 from fastxfer.keras._optimizer import DistributedOptimizer, PartialDistributedOptimizer, load_model
@@ -43,7 +43,7 @@ __all__ = ["Average", "Compression", "Compressor", "DistributedOptimizer", "Fast
            "MismatchError", "PartialDistributedOptimizer", "PeerFailureError", "ProcessSet", "Product",
            "RMSpropToSGD", "Sum", "SyncBatchNormalization", "add_process_set", "allgather", "allgather_object",
            "allreduce", "broadcast", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
-           "broadcast_variables", "callbacks", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built",
+           "broadcast_variables", "callbacks", "elastic", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built",
            "gloo_built", "gloo_enabled", "global_process_set", "grouped_allreduce", "init", "is_homogeneous",
            "is_initialized", "load_model", "local_rank", "local_size", "mpi_built", "mpi_enabled",
            "mpi_threads_supported", "nccl_built", "oob_allreduce", "optimizers", "rank", "reducescatter",

@@ -18,7 +18,7 @@ import importlib
 
 from fastxfer import (FastxferError, MismatchError, PeerFailureError, init, is_initialized, local_rank, local_size,
                       rank, shutdown, size)
-from fastxfer.tensorflow import ops
+from fastxfer.tensorflow import elastic, ops
 from fastxfer.tensorflow.api import (Adasum, Average, Max, Min, Product, Sum, allgather, allreduce, alltoall, broadcast,
                                      broadcast_, check_num_rank_power_of_2, grouped_allgather, grouped_allreduce,
                                      grouped_reducescatter, handle_average_backwards_compatibility, join,
@@ -52,7 +52,7 @@ __all__ = ["Adasum", "Average", "Compression", "Compressor", "DistributedGradien
            "ProcessSet", "Product", "Sum", "add_process_set", "allgather", "allgather_object", "allreduce", "alltoall",
            "broadcast", "broadcast_", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
            "broadcast_variables", "ccl_built", "check_num_rank_power_of_2", "cross_rank", "cross_size", "cuda_built",
-           "ddl_built", "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather", "grouped_allreduce",
+           "ddl_built", "elastic", "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather", "grouped_allreduce",
            "grouped_reducescatter", "handle_average_backwards_compatibility", "in_xla_context", "init",
            "is_homogeneous", "is_initialized", "join", "local_rank", "local_rank_op", "local_size", "local_size_op",
            "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "oob_allreduce",

@@ -212,8 +212,8 @@ def _eager(fn):
 
 def _eager_grouped(ts, names, op, compression, prescale, postscale, order, bucket_cap_mb, s) -> list:
     """Native ops, eagerly: every submit in `order`, then every wait."""
-    settings = [allreduce_settings(_np_dtype(t), op, compression, prescale, postscale, bucket_cap_mb, s.size)
-                for t in ts]
+    settings = [allreduce_settings(_np_dtype(t), op, compression, prescale, postscale, bucket_cap_mb, s.size,
+                                   divide=False) for t in ts]
 
     def run():
         subs = {}
@@ -238,7 +238,7 @@ def submit_grouped(tensors, names, op, compression, prescale, postscale, order=N
         for i in order:
             t = tensors[i]
             o, c, pre, post, cap = allreduce_settings(_np_dtype(t), op, compression, prescale, postscale, bucket_cap_mb,
-                                                      s.size)
+                                                      s.size, divide=False)
             handles[i] = chained(graph, lambda t=t, name=names[i], o=o, c=c, pre=pre, post=post, cap=cap: native.submit(
                 t, "allreduce", name, o, c, 0, pre, post, cap, s.id)[1])
         return handles
@@ -375,7 +375,7 @@ def _gather_kind(kind, t, name, s, op="sum", pre=1.0, post=1.0, splits=None):
     def submit():
         if kind == "alltoall":
             return native.submit_splits(t, splits, name, s.id)
-        o, _, p0, p1, _ = allreduce_settings(_np_dtype(t), op, "none", pre, post, None, s.size)
+        o, _, p0, p1, _ = allreduce_settings(_np_dtype(t), op, "none", pre, post, None, s.size, divide=False)
         return native.submit(t, kind, name, o, "none", 0, p0, p1, 0, s.id)
 
     def wait(out, h):

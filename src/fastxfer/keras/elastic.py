@@ -1,0 +1,147 @@
+"""Elastic training for Keras (Horovod's ``horovod.tensorflow.keras.elastic``): ``KerasState``, the
+callbacks that keep it current during ``model.fit``, and ``run``. Keras 3, or tf-keras when
+``TF_USE_LEGACY_KERAS=1`` is set before the import. A Horovod elastic Keras script runs with only
+its import changed::
+
+    import fastxfer.keras as hvd
+
+    state = hvd.elastic.KerasState(model, batch=0, epoch=0)
+    state.register_reset_callbacks([lambda: scale the learning rate by hvd.size()])
+    callbacks = [hvd.elastic.CommitStateCallback(state), hvd.elastic.UpdateBatchStateCallback(state),
+                 hvd.elastic.UpdateEpochStateCallback(state)]
+
+    @hvd.elastic.run
+    def train(state):
+        state.model.fit(data, steps_per_epoch=steps, epochs=epochs - state.epoch, callbacks=callbacks)
+
+    train(state)
+
+``state.batch`` counts the batches of the current epoch done so far (Horovod keeps the index of the
+last one; counting makes the resumed epoch exact). After a reset in the middle of an epoch the
+first epoch of the new ``fit`` ends once the epoch's remaining batches are done: in Keras 3 the
+callback ends it (a StopIteration that ``fit`` takes as the end of the epoch's data); in tf-keras
+it sets the epoch's step count as Horovod does.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+if os.environ.get("TF_USE_LEGACY_KERAS") == "1":  # tf.keras is tf-keras: its models call its callbacks
+    import tf_keras as keras
+else:
+    import keras
+
+from fastxfer.elastic import HostsUpdatedInterrupt, ObjectState, State
+from fastxfer.tensorflow.elastic import TensorFlowKerasState, TensorFlowState, run
+
+
+class KerasState(TensorFlowKerasState):
+    """A Keras model, its optimizer and picklable values (``KerasState(model, batch=0, epoch=0)``)."""
+
+    def __init__(self, model, optimizer=None, **kwargs):
+        super().__init__(model, optimizer=optimizer, **kwargs)
+
+
+class CommitStateCallback(keras.callbacks.Callback):
+    """``state.commit()`` every ``batches_per_commit`` batches and at every epoch's end.
+
+    The commit is made when the next batch (or epoch) begins, after every callback has seen the
+    batch's end, so the state it saves has the batch and epoch counters of the weights it saves,
+    whatever the order of the callbacks (Horovod's examples put this one first)."""
+
+    def __init__(self, state: State, batches_per_commit: int = 1):
+        super().__init__()
+        if batches_per_commit < 1:
+            raise ValueError(f"batches_per_commit must be >= 1, not {batches_per_commit}")
+        self.state = state
+        self.batches_per_commit = int(batches_per_commit)
+        self._remaining = self.batches_per_commit
+        self._due = False
+
+    def _commit_if_due(self):
+        if self._due:
+            self._due = False
+            self.state.commit()
+
+    def on_train_begin(self, logs=None):
+        self._due = False
+        self._remaining = self.batches_per_commit
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._commit_if_due()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._remaining -= 1
+        if self._remaining == 0:
+            self._remaining = self.batches_per_commit
+            self._due = True
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._commit_if_due()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._remaining = self.batches_per_commit
+        self._due = True
+
+
+class UpdateBatchStateCallback(keras.callbacks.Callback):
+    """Keeps ``state.batch`` = batches of the current epoch done; ends a resumed epoch when its
+    remaining batches are done (see the module docstring)."""
+
+    def __init__(self, state: State):
+        super().__init__()
+        self.state = state
+        self._offset = 0
+        self._steps = None
+        self._filter = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._offset = int(getattr(self.state, "batch", 0) or 0)
+        steps = (self.params or {}).get("steps")
+        if self._steps is None:
+            self._steps = steps
+        if self._steps and self._offset and os.environ.get("TF_USE_LEGACY_KERAS") == "1":
+            self.params["steps"] = self._steps - self._offset
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.state.batch = self._offset + batch + 1
+        if self._offset and self._steps and self.state.batch >= self._steps \
+                and os.environ.get("TF_USE_LEGACY_KERAS") != "1":
+            # Keras 3's fit takes a StopIteration as the end of the epoch's data; its warning that
+            # the data ran out would be wrong here, so it is filtered until the epoch's end
+            warnings.filterwarnings("ignore", message="Your input ran out of data")
+            self._filter = warnings.filters[0]
+            raise StopIteration
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.state.batch = 0
+        self._offset = 0
+        if self._filter is not None:
+            try:
+                warnings.filters.remove(self._filter)
+                warnings._filters_mutated()
+            except (ValueError, AttributeError):
+                pass
+            self._filter = None
+
+
+class UpdateEpochStateCallback(keras.callbacks.Callback):
+    """Keeps ``state.epoch`` = epochs done (across resets: ``fit(epochs=epochs - state.epoch)``
+    counts its epochs from 0)."""
+
+    def __init__(self, state: State):
+        super().__init__()
+        self.state = state
+        self._initial = int(getattr(state, "epoch", 0) or 0)
+
+    def on_train_begin(self, logs=None):
+        self._initial = int(getattr(self.state, "epoch", 0) or 0)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.state.epoch = self._initial + epoch + 1
+
+
+__all__ = ["CommitStateCallback", "HostsUpdatedInterrupt", "KerasState", "ObjectState", "State",
+           "TensorFlowKerasState", "TensorFlowState", "UpdateBatchStateCallback", "UpdateEpochStateCallback", "run"]
