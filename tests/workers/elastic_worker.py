@@ -164,8 +164,10 @@ class Steps(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self.first, self.count = self.state.batch, 0
 
-    def on_train_batch_end(self, batch, logs=None):
+    def on_train_batch_begin(self, batch, logs=None):
         self.count += 1
+
+    def on_train_batch_end(self, batch, logs=None):
         maybe_die("step", self.state.epoch * STEPS + self.state.batch)
 
     def on_epoch_end(self, epoch, logs=None):

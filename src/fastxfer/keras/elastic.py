@@ -18,14 +18,15 @@ its import changed::
 
 ``state.batch`` counts the batches of the current epoch done so far (Horovod keeps the index of the
 last one; counting makes the resumed epoch exact). After a reset in the middle of an epoch the
-first epoch of the new ``fit`` ends once the epoch's remaining batches are done: in Keras 3 the
-callback ends it (a StopIteration that ``fit`` takes as the end of the epoch's data); in tf-keras
-it sets the epoch's step count as Horovod does.
+first epoch of the new ``fit`` ends once the epoch's remaining batches are done
+(UpdateBatchStateCallback), so every epoch trains ``steps_per_epoch`` batches in all.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 import warnings
 
 if os.environ.get("TF_USE_LEGACY_KERAS") == "1":  # tf.keras is tf-keras: its models call its callbacks
@@ -86,39 +87,69 @@ class CommitStateCallback(keras.callbacks.Callback):
         self._due = True
 
 
+def _fit_loop_state():
+    """The running fit's epoch iterator (Keras 3: ``epoch_iterator``) or data handler (tf-keras:
+    ``data_handler``), found in fit's frame; None when neither is there."""
+    f = sys._getframe(1)
+    while f is not None:
+        for name in ("epoch_iterator", "data_handler"):
+            obj = f.f_locals.get(name)
+            if obj is not None and hasattr(obj, "catch_stop_iteration"):
+                return obj
+        f = f.f_back
+    return None
+
+
 class UpdateBatchStateCallback(keras.callbacks.Callback):
-    """Keeps ``state.batch`` = batches of the current epoch done; ends a resumed epoch when its
-    remaining batches are done (see the module docstring)."""
+    """Keeps ``state.batch`` = batches of the current epoch done, and ends a resumed epoch when its
+    remaining batches are done.
+
+    Ending an epoch early: the callback raises StopIteration after the epoch's last batch, which
+    ``fit`` takes as the end of the epoch's data (Keras 3 and tf-keras alike); at the epoch's end
+    it clears what fit noted of it (Keras 3's epoch iterator would keep the short length for the
+    later epochs, tf-keras's data handler would stop training), and the misleading "ran out of
+    data" warning is filtered meanwhile. Horovod changes ``params['steps']`` instead, which neither
+    Keras 3 nor tf-keras 2.21 reads."""
 
     def __init__(self, state: State):
         super().__init__()
         self.state = state
         self._offset = 0
         self._steps = None
+        self._ended_early = False
         self._filter = None
+
+    def on_train_begin(self, logs=None):
+        self._steps = (self.params or {}).get("steps")
 
     def on_epoch_begin(self, epoch, logs=None):
         self._offset = int(getattr(self.state, "batch", 0) or 0)
-        steps = (self.params or {}).get("steps")
-        if self._steps is None:
-            self._steps = steps
-        if self._steps and self._offset and os.environ.get("TF_USE_LEGACY_KERAS") == "1":
-            self.params["steps"] = self._steps - self._offset
 
     def on_train_batch_end(self, batch, logs=None):
         self.state.batch = self._offset + batch + 1
-        if self._offset and self._steps and self.state.batch >= self._steps \
-                and os.environ.get("TF_USE_LEGACY_KERAS") != "1":
-            # Keras 3's fit takes a StopIteration as the end of the epoch's data; its warning that
-            # the data ran out would be wrong here, so it is filtered until the epoch's end
+        if self._offset and self._steps and self.state.batch >= self._steps:
             warnings.filterwarnings("ignore", message="Your input ran out of data")
             self._filter = warnings.filters[0]
+            self._logger_level = logging.getLogger("tensorflow").level
+            logging.getLogger("tensorflow").setLevel(logging.ERROR)  # tf-keras warns through absl/logging
+            self._ended_early = True
             raise StopIteration
 
     def on_epoch_end(self, epoch, logs=None):
         self.state.batch = 0
         self._offset = 0
-        if self._filter is not None:
+        if self._ended_early:
+            self._ended_early = False
+            loop = _fit_loop_state()
+            if hasattr(loop, "_insufficient_data"):  # tf-keras
+                loop._insufficient_data = False
+            elif hasattr(loop, "data_adapter") and hasattr(loop, "_num_batches"):  # Keras 3
+                loop._num_batches = loop.data_adapter.num_batches
+            else:
+                warnings.warn("fastxfer.keras.elastic: this Keras's fit loop is not one fastxfer knows; the epochs "
+                              "after a mid-epoch reset may be shorter than steps_per_epoch", RuntimeWarning,
+                              stacklevel=2)
+            logging.getLogger("tensorflow").setLevel(self._logger_level)
             try:
                 warnings.filters.remove(self._filter)
                 warnings._filters_mutated()

@@ -1,0 +1,152 @@
+"""Elastic jobs through the real launcher (`fastxfer run --min-np`), engine and TensorFlow/Keras:
+a worker killed with SIGKILL mid-epoch, during a commit, as rank 0, twice in a row, restarted;
+weights against a plain job that runs the same steps from the same commit."""
+
+import glob
+import importlib.util
+import os
+import re
+
+import numpy as np
+import pytest
+
+from _launch import launch, run_command, fastxfer_cmd
+
+HAVE_TF = importlib.util.find_spec("tensorflow") is not None
+needs_tf = pytest.mark.skipif(not HAVE_TF, reason="TensorFlow not installed")
+TF_KERAS = pytest.param(
+    "tf-keras", marks=pytest.mark.skipif(importlib.util.find_spec("tf_keras") is None, reason="tf-keras not installed"))
+ENV = {"TF_CPP_MIN_LOG_LEVEL": "3", "FASTXFER_SHM_WINDOW_MB": "1"}
+
+
+def elastic(np_, min_np, *more):
+    return ["--min-np", str(min_np), *more]
+
+
+def lines(r, tag):
+    """{worker: rest of line} for every `tag` line, by the launcher's worker prefix."""
+    return {int(w): rest for w, rest in re.findall(rf"^\[\s*(\d+)\] {tag} (.*)$", r.stdout, re.M)}
+
+
+def shm_segments():
+    return set(glob.glob("/dev/shm/fastxfer-*"))
+
+
+@pytest.fixture(scope="module")
+def small_pack(make_jpeg, tmp_path_factory):
+    """96 small JPEGs in 4 classes, packed."""
+    from fastxfer.data.writer import pack
+
+    d = tmp_path_factory.mktemp("elastic-pack")
+    items = []
+    for i in range(96):
+        p = d / f"{i}.jpg"
+        p.write_bytes(make_jpeg(16, 16, seed=i, content="photo"))
+        items.append((str(p), i % 4))
+    out = str(d / "small.fxp")
+    pack(items, out, progress=False, threads=1)
+    return out
+
+
+def ok(r):
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+
+
+# -- framework-free ------------------------------------------------------------------------------------
+def test_killed_worker_the_survivors_go_on_and_old_requests_fail():
+    before = shm_segments()
+    r = launch(3, "elastic_np_worker.py", 12, "2@5", launcher_args=elastic(3, 2), env=ENV)
+    ok(r)
+    done = lines(r, "DONE")
+    assert sorted(done) == [0, 1], r.stdout
+    # steps 0-4 with 3 ranks, then 5-11 with 2: the restored commit is exactly the last good step
+    total = sum(3 * s for s in range(5)) + sum(2 * s for s in range(5, 12))
+    for w in (0, 1):
+        assert done[w] == f"rank {w} size 2 steps 12 total {total}", done
+    assert r.stdout.count("old handle failed: PeerFailureError") == 2, r.stdout
+    assert "generation 1: 2 worker(s) (workers 0, 1 as ranks 0..1)" in r.stderr
+    assert re.search(r"elastic job finished with 2 worker\(s\) \(generation 1\); recovered from 1 failure\(s\): "
+                     r"worker 2 \(rank 2 of generation 0\): killed by SIGKILL", r.stderr), r.stderr
+    assert shm_segments() <= before  # nothing left in /dev/shm
+
+
+def test_rank_0_killed_rank_1_becomes_rank_0():
+    r = launch(3, "elastic_np_worker.py", 8, "0@3", launcher_args=elastic(3, 2), env=ENV)
+    ok(r)
+    done = lines(r, "DONE")
+    total = sum(3 * s for s in range(3)) + sum(2 * s for s in range(3, 8))
+    assert done == {1: f"rank 0 size 2 steps 8 total {total}", 2: f"rank 1 size 2 steps 8 total {total}"}, r.stdout
+
+
+def test_fewer_than_min_np_ends_the_job_naming_every_failure():
+    r = launch(3, "elastic_np_worker.py", 12, "2@3", "1@5", launcher_args=elastic(3, 2), env=ENV)
+    assert r.returncode == 137, r.stderr  # the first failure's SIGKILL
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("fastxfer run: elastic job failed: 1 worker(s) left, fewer than --min-np 2"), last
+    assert "worker 2 (rank 2 of generation 0): killed by SIGKILL" in last
+    assert "worker 1 (rank 1 of generation 1): killed by SIGKILL" in last
+
+
+def test_restarted_worker_joins_at_the_next_commit():
+    r = launch(3, "elastic_np_worker.py", 40, "2@5", launcher_args=elastic(3, 2, "--max-restarts", "1"),
+               env={**ENV, "NAP": "0.1"})
+    ok(r)
+    done = lines(r, "DONE")
+    assert sorted(done) == [0, 1, 3], r.stdout  # worker 3 replaced worker 2
+    assert "starting worker 3 in its place (0 restart(s) left)" in r.stderr
+    assert "generation 2: 3 worker(s) (workers 0, 1, 3 as ranks 0..2)" in r.stderr, r.stderr
+    totals = {d.split(" total ")[1] for d in done.values()}
+    assert len(totals) == 1 and all(" size 3 steps 40 " in d for d in done.values()), done
+
+
+def test_usage_errors():
+    r = run_command(fastxfer_cmd() + ["run", "-np", "2", "--min-np", "1", "--hosts", "a:1,b:1", "--", "true"])
+    assert r.returncode != 0 and "elastic jobs (--min-np/--max-np/--max-restarts) run on one host for now" in r.stderr
+    r = run_command(fastxfer_cmd() + ["run", "-np", "2", "--min-np", "3", "--", "true"])
+    assert r.returncode != 0 and "need 1 <= --min-np (3) <= -np (2) <= --max-np (2)" in r.stderr
+
+
+# -- TensorFlow and Keras -------------------------------------------------------------------------------
+@needs_tf
+def test_tf_loop_killed_mid_epoch_matches_a_plain_job_from_the_same_commit(tmp_path, small_pack):
+    before = shm_segments()
+    env = {**ENV, "PACK": small_pack, "KILLS": "2@step5"}
+    r = launch(3, "elastic_worker.py", "loop", tmp_path, launcher_args=elastic(3, 2), env=env, timeout=600)
+    ok(r)
+    final = lines(r, "FINAL")
+    assert sorted(final) == [0, 1], r.stdout
+    assert len({f.split("digest ")[1] for f in final.values()}) == 1 and all("size 2 generation 1 epoch 2" in f
+                                                                             for f in final.values()), final
+    resume = np.load(tmp_path / "resume_g1.npz")
+    assert int(resume["size"]) == 2 and int(resume["steps"]) == 5 and int(resume["start"]) == 5 * 3 * 4
+    # the reference: a plain 2-worker job from the same commit, the same steps
+    r2 = launch(2, "elastic_worker.py", "reference", tmp_path,
+                env={**ENV, "PACK": small_pack, "RESUME": str(tmp_path / "resume_g1.npz")}, timeout=600)
+    ok(r2)
+    a, b = np.load(tmp_path / "final.npz"), np.load(tmp_path / "final_ref.npz")
+    assert a.files == b.files
+    for k in a.files:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-6, atol=1e-7, err_msg=k)
+    assert shm_segments() <= before
+
+
+@needs_tf
+@pytest.mark.parametrize("flavour", ["keras3", TF_KERAS])
+def test_keras_fit_survives_a_failed_commit_rank_0_and_two_failures_in_a_row(flavour, tmp_path):
+    # worker 0 (rank 0) dies inside the commit before batch 3; worker 2 after batch 7; worker 1 in the
+    # reset that follows (a second failure while the group re-forms). 5 workers -> 2.
+    env = {**ENV, "KILLS": "0@commit3,2@step7,1@reset2"}
+    if flavour == "tf-keras":
+        env["TF_USE_LEGACY_KERAS"] = "1"
+    r = launch(5, "elastic_worker.py", "keras", tmp_path, launcher_args=elastic(5, 2), env=env, timeout=600)
+    ok(r)
+    final = lines(r, "FINAL")
+    assert sorted(final) == [3, 4], r.stdout
+    assert len({f.split("digest ")[1] for f in final.values()}) == 1, final  # identical weights and slots
+    assert all("size 2 generation 3 epoch 3" in f for f in final.values()), final
+    for w in (3, 4):  # every epoch trained steps_per_epoch batches in all, across the resets
+        epochs = re.findall(rf"^\[{w}\] EPOCH (\d+) size \d+ first (\d+) trained (\d+)$", r.stdout, re.M)
+        assert [int(e) for e, _, _ in epochs] == [1, 2, 3], r.stdout
+        assert all(int(f) + int(t) == 6 for _, f, t in epochs), epochs
+    assert "ran out of data" not in r.stdout + r.stderr
+    assert r.stderr.count("killed by SIGKILL") >= 3
