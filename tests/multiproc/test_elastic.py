@@ -107,6 +107,20 @@ def test_usage_errors():
 
 
 # -- TensorFlow and Keras -------------------------------------------------------------------------------
+def _final_weights_match_reference(tmp_path, small_pack, generation, size):
+    """A plain job of `size` workers from resume_g<generation>.npz, the same steps: the same weights."""
+    resume = np.load(tmp_path / f"resume_g{generation}.npz")
+    assert int(resume["size"]) == size
+    r = launch(size, "elastic_worker.py", "reference", tmp_path,
+               env={**ENV, "PACK": small_pack, "RESUME": str(tmp_path / f"resume_g{generation}.npz")}, timeout=600)
+    ok(r)
+    a, b = np.load(tmp_path / "final.npz"), np.load(tmp_path / "final_ref.npz")
+    assert a.files == b.files
+    for k in a.files:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-6, atol=1e-7, err_msg=k)
+    return resume
+
+
 @needs_tf
 def test_tf_loop_killed_mid_epoch_matches_a_plain_job_from_the_same_commit(tmp_path, small_pack):
     before = shm_segments()
@@ -117,17 +131,26 @@ def test_tf_loop_killed_mid_epoch_matches_a_plain_job_from_the_same_commit(tmp_p
     assert sorted(final) == [0, 1], r.stdout
     assert len({f.split("digest ")[1] for f in final.values()}) == 1 and all("size 2 generation 1 epoch 2" in f
                                                                              for f in final.values()), final
-    resume = np.load(tmp_path / "resume_g1.npz")
-    assert int(resume["size"]) == 2 and int(resume["steps"]) == 5 and int(resume["start"]) == 5 * 3 * 4
-    # the reference: a plain 2-worker job from the same commit, the same steps
-    r2 = launch(2, "elastic_worker.py", "reference", tmp_path,
-                env={**ENV, "PACK": small_pack, "RESUME": str(tmp_path / "resume_g1.npz")}, timeout=600)
-    ok(r2)
-    a, b = np.load(tmp_path / "final.npz"), np.load(tmp_path / "final_ref.npz")
-    assert a.files == b.files
-    for k in a.files:
-        np.testing.assert_allclose(a[k], b[k], rtol=1e-6, atol=1e-7, err_msg=k)
+    resume = _final_weights_match_reference(tmp_path, small_pack, 1, 2)
+    # restored to the commit after step 5: 5 steps of 3 ranks x 4 records done in epoch 0
+    assert int(resume["steps"]) == 5 and int(resume["start"]) == 5 * 3 * 4 and int(resume["epoch"]) == 0
     assert shm_segments() <= before
+
+
+@needs_tf
+def test_tf_loop_restarted_worker_joins_and_the_job_finishes_with_3(tmp_path, small_pack):
+    env = {**ENV, "PACK": small_pack, "KILLS": "2@step5", "HOLD_FOR_NEWCOMER": "1"}
+    r = launch(3, "elastic_worker.py", "loop", tmp_path, launcher_args=elastic(3, 2, "--max-restarts", "1"), env=env,
+               timeout=600)
+    ok(r)
+    final = lines(r, "FINAL")
+    assert sorted(final) == [0, 1, 3], r.stdout  # worker 3 took worker 2's place
+    assert len({f.split("digest ")[1] for f in final.values()}) == 1, final
+    assert all("size 3 generation 2 epoch 2" in f for f in final.values()), final
+    assert "generation 2: 3 worker(s) (workers 0, 1, 3 as ranks 0..2)" in r.stderr, r.stderr
+    resume = _final_weights_match_reference(tmp_path, small_pack, 2, 3)
+    # it joined at the first commit of generation 1: one step of 2 ranks after the restored step 5
+    assert int(resume["steps"]) == 6 and int(resume["start"]) == 5 * 3 * 4 + 2 * 4
 
 
 @needs_tf

@@ -17,6 +17,7 @@ $KILLS: failures to inject, comma-separated "WORKER@WHEN" with WHEN one of
   commitN  inside the commit at step N, after the state is saved, before check_host_updates
   resetN   in this worker's N-th reset callback (a failure while the group re-forms)
 Only the first workers (ids below -np) fail; restarted ones (--max-restarts) never do.
+$HOLD_FOR_NEWCOMER (loop): in generation 1, rank 0 waits until a restarted worker asks to join.
 
 Every worker that finishes prints "FINAL worker W rank R size S generation G epoch E digest D"
 (D: a digest of the model's weights and the optimizer's variables).
@@ -26,6 +27,7 @@ import hashlib
 import os
 import signal
 import sys
+import time
 
 import numpy as np
 
@@ -131,6 +133,14 @@ def loop_mode():
 
     @hvd_tf.elastic.run
     def train(state):
+        if os.environ.get("HOLD_FOR_NEWCOMER") and group.layout().generation == 1 and hvd.rank() == 0:
+            # test instrumentation: after the failure, train only once the restarted worker waits to
+            # join, so that it joins at this generation's first commit whatever the machine's speed
+            from fastxfer.comm import rendezvous
+
+            deadline = time.monotonic() + 240
+            while not rendezvous.poll()["pending"] and time.monotonic() < deadline:
+                time.sleep(0.1)
         if hvd.rank() == 0:
             save_npz(os.path.join(OUT, f"resume_g{group.layout().generation}.npz"), model, opt, epoch=state.epoch,
                      start=state.start, steps=state.steps, size=hvd.size())
