@@ -96,6 +96,38 @@ def test_sharding_disjoint_equal_and_reshuffled(build):
         ld.close()
 
 
+def test_resume_reshards_the_rest_of_the_epoch_nothing_lost_or_repeated(build):
+    """3 ranks train 3 steps of epoch 1, then the group shrinks to 2: the rest of the epoch's order
+    is dealt to the 2 ranks; with the 3 ranks' first steps it covers the epoch once (only the tail
+    that does not fill a batch on every rank is left out, as in any epoch)."""
+    path = build(n=61)
+    three = [loader(path, batch_size=4, image_size=8, rank=r, size=3, seed=5) for r in range(3)]
+    for ld in three:
+        ld.set_epoch(1)
+    done = [int(i) for ld in three for i in ld.indices()[:3 * 4]]  # 3 steps of every rank
+    assert three[0].global_batch == 12
+    perm = np.random.default_rng(np.random.SeedSequence([5, 1])).permutation(61)
+    assert sorted(done) == sorted(perm[:36].tolist())  # the steps done are a prefix of the epoch's order
+    two = [loader(path, batch_size=4, image_size=8, rank=0, size=1, seed=5) for _ in range(2)]
+    for r, ld in enumerate(two):
+        ld.resume(1, start=3 * 12, rank=r, size=2)
+        assert (ld.epoch, ld.start, ld.rank, ld.size, ld.global_batch) == (1, 36, r, 2, 8)
+    rest = [int(i) for ld in two for i in ld.indices()]
+    assert len(two[0]) == len(two[1]) == 3  # 12 records each: 3 batches of 4
+    assert not set(rest) & set(done) and len(set(rest)) == len(rest) == 24
+    assert sorted(done + rest) == sorted(perm[:60].tolist())  # one record of the 25 left is the odd tail
+    labels = [int(y) for ld in two for _, ys in ld for y in ys]
+    assert sorted(labels) == sorted(int(i) % 4 for i in rest)  # the batches hold exactly those records
+    two[0].set_epoch(2)
+    assert two[0].start == 0 and len(two[0]) == 61 // 2 // 4
+    with pytest.raises(ValueError, match="start 62 is outside 0..61"):
+        two[0].resume(1, start=62)
+    with pytest.raises(ValueError, match="rank 2 is outside 0..1"):
+        two[0].resume(1, rank=2, size=2)
+    for ld in three + two:
+        ld.close()
+
+
 def test_dct_scaled_decode_only_as_much_as_needed():
     img = np.zeros((1200, 1600, 3), np.uint8)
     data = simplejpeg.encode_jpeg(img, quality=80)

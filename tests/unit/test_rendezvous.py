@@ -1,0 +1,113 @@
+"""The elastic launcher's rendezvous (comm/rendezvous.py), served on its real Unix socket, with
+workers' requests made by the real client from threads: who forms each generation, in which order,
+and what is refused."""
+
+import json
+import os
+import socket
+import threading
+
+import pytest
+
+from fastxfer.comm import rendezvous
+from fastxfer.comm.rendezvous import Rendezvous
+from fastxfer.errors import FastxferError, PeerFailureError
+
+SECRET = "s" * 64
+
+
+@pytest.fixture
+def rdzv(tmp_path, monkeypatch):
+    r = Rendezvous(SECRET, str(tmp_path), min_np=2, max_np=3, timeout=0.5)
+    r.serve()
+    monkeypatch.setenv(rendezvous.SOCKET_ENV, r.path)
+    monkeypatch.setenv("FASTXFER_JOB_SECRET", SECRET)
+    monkeypatch.setenv(rendezvous.WORKER_ENV, "0")  # request() changes both: restored after the test
+    yield r
+    r.close("test over")
+
+
+def request(op, worker, secret=SECRET):
+    """The worker client's request, as worker `worker` (through the environment, as a worker has it)."""
+    os.environ[rendezvous.WORKER_ENV] = str(worker)
+    os.environ["FASTXFER_JOB_SECRET"] = secret
+    return rendezvous._request(op, 30)
+
+
+def join_all(workers):
+    """Every worker joins from its own thread; {worker: reply or exception}."""
+    out = {}
+    path = os.environ[rendezvous.SOCKET_ENV]
+
+    def one(w):
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.connect(path)
+            sock.sendall(json.dumps({"op": "join", "worker": str(w), "secret": SECRET}).encode() + b"\n")
+            out[w] = json.loads(rendezvous._read_line(sock))
+
+    threads = [threading.Thread(target=one, args=(w,)) for w in workers]
+    for t in threads:
+        t.start()
+    return threads, out
+
+
+def test_generations_form_from_who_is_expected_in_rank_order(rdzv):
+    for w in "012":
+        rdzv.started(w)
+    rdzv.expect_first(["0", "1", "2"])
+    threads, out = join_all([2, 0, 1])
+    for t in threads:
+        t.join(10)
+    assert {w: (r["generation"], r["rank"], r["size"]) for w, r in out.items()} == {
+        0: (0, 0, 3), 1: (0, 1, 3), 2: (0, 2, 3)}
+    # worker 0 (rank 0) dies: the survivors form generation 1 in their old order
+    rdzv.exited("0", failed=True)
+    assert rdzv.expected == ["1", "2"]
+    threads, out = join_all([2, 1])
+    for t in threads:
+        t.join(10)
+    assert {w: (r["generation"], r["rank"], r["size"]) for w, r in out.items()} == {1: (1, 0, 2), 2: (1, 1, 2)}
+    assert request("poll", 1) == {"generation": 1, "pending": False}
+    # a restarted worker asks to join: pending until the members re-form at a commit
+    rdzv.started("3")
+    newcomer, got = join_all([3])
+    for _ in range(100):
+        if request("poll", 1)["pending"]:
+            break
+        threading.Event().wait(0.05)
+    assert request("poll", 1) == {"generation": 1, "pending": True}
+    threads, out = join_all([1, 2])
+    for t in threads + newcomer:
+        t.join(10)
+    assert {w: r["rank"] for w, r in {**out, **got}.items()} == {1: 0, 2: 1, 3: 2}
+    assert {r["generation"] for r in {**out, **got}.values()} == {2}
+    assert request("poll", 1) == {"generation": 2, "pending": False}  # max_np 3 reached
+
+
+def test_a_member_that_does_not_come_back_is_overdue(rdzv):
+    for w in "012":
+        rdzv.started(w)
+    rdzv.expect_first(["0", "1", "2"])
+    threads, _ = join_all([0, 1, 2])
+    for t in threads:
+        t.join(10)
+    rdzv.exited("2", failed=True)
+    threads, out = join_all([0])
+    threading.Event().wait(0.7)
+    assert rdzv.overdue() == ["1"]  # stalled: the launcher kills it
+    rdzv.exited("1", failed=True)
+    for t in threads:
+        t.join(10)
+    assert (out[0]["generation"], out[0]["size"]) == (1, 1)
+
+
+def test_requests_without_the_secret_or_from_strangers_are_refused(rdzv):
+    rdzv.started("0")
+    with pytest.raises(FastxferError, match="request refused: not from a worker of this job"):
+        request("poll", 0, secret="x" * 64)
+    with pytest.raises(FastxferError, match="worker 7 is not one of this job's running workers"):
+        request("join", 7)
+    assert oct(os.stat(rdzv.path).st_mode & 0o777) == "0o600"
+    rdzv.close("the job has ended")
+    with pytest.raises(PeerFailureError, match="cannot reach the elastic launcher"):
+        request("poll", 0)
