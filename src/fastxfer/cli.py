@@ -13,6 +13,7 @@ BENCHMARKS = {
     "placement": "2-worker training-like step: unbound vs pinned engine vs --bind numa",
     "train": "Keras ResNet-50 training, 1 vs 2 workers: fastxfer vs one process on every core, MWMS, Horovod",
     "timeline": "one training step of a timeline (FASTXFER_TIMELINE) as a picture and a summary",
+    "elastic": "an elastic job with a worker killed: seconds until training resumes vs a new job",
 }
 
 
