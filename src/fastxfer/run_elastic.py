@@ -209,7 +209,8 @@ class ElasticJob(Job):
             codes = {m: self.procs[int(m)].returncode for m in last.members}
             bad = {m: c for m, c in codes.items() if c != 0}
             if not bad:
-                msg = f"fastxfer run: elastic job finished with {len(last.members)} worker(s) (generation {last.number})"
+                msg = (f"fastxfer run: elastic job finished with {len(last.members)} worker(s) "
+                       f"(generation {last.number})")
                 if self.failures:
                     msg += f"; recovered from {len(self.failures)} failure(s): {recovered}"
                 if self.resumed:

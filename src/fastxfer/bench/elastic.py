@@ -116,7 +116,8 @@ def main(args: argparse.Namespace) -> int:
             ["a new 2-worker job -> its first step done", f"{m['restart_first_step_s']:.2f} s"],
             ["restart / elastic resume", f"{m['ratio']:.1f}x"],
             ["step, 3 workers / 2 workers", f"{m['step_3_ms']:.0f} / {m['step_2_ms']:.0f} ms"]]
-    caption = f"{args.trials} trials; fastxfer run -np 3 --min-np 2, worker 2 killed with SIGKILL after {args.warm} steps"
+    caption = (f"{args.trials} trials; fastxfer run -np 3 --min-np 2, worker 2 killed with SIGKILL after "
+               f"{args.warm} steps")
     print_table("elastic: a worker killed", cols, rows, caption)
     if args.markdown:
         print_markdown(res["machine"], caption, cols, rows)

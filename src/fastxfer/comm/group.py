@@ -4,6 +4,8 @@ The layout comes from whichever launcher started the process:
 
 ==================  ==============================================================
 ``fastxfer run``    FASTXFER_RANK, FASTXFER_SIZE, FASTXFER_LOCAL_RANK, FASTXFER_JOB_ID, FASTXFER_JOB_SECRET
+``... --min-np M``  FASTXFER_ELASTIC_SOCKET: rank and size from the launcher's rendezvous, per
+                    generation (comm/rendezvous.py, docs/elastic.md)
 Open MPI mpirun     OMPI_COMM_WORLD_RANK / _SIZE (rendezvous through mpi4py)
 MPICH / PMI         PMI_RANK / PMI_SIZE (rendezvous through mpi4py)
 horovodrun (MPI)    HOROVOD_RANK / HOROVOD_SIZE (rendezvous through mpi4py)
@@ -142,7 +144,8 @@ def _elastic_layout() -> Layout:
     m = rendezvous.join()
     name = segments.job_segment_name(_launcher_of(job), job, secret, int(m["generation"]))
     rank, size = int(m["rank"]), int(m["size"])
-    return Layout(rank, size, rank, size, segments.path(name), "fastxfer run (elastic)", generation=int(m["generation"]))
+    return Layout(rank, size, rank, size, segments.path(name), "fastxfer run (elastic)",
+                  generation=int(m["generation"]))
 
 
 def detect_layout(generation: int = 0) -> Layout:

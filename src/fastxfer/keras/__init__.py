@@ -43,9 +43,9 @@ __all__ = ["Average", "Compression", "Compressor", "DistributedOptimizer", "Fast
            "MismatchError", "PartialDistributedOptimizer", "PeerFailureError", "ProcessSet", "Product",
            "RMSpropToSGD", "Sum", "SyncBatchNormalization", "add_process_set", "allgather", "allgather_object",
            "allreduce", "broadcast", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
-           "broadcast_variables", "callbacks", "elastic", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built",
-           "gloo_built", "gloo_enabled", "global_process_set", "grouped_allreduce", "init", "is_homogeneous",
-           "is_initialized", "load_model", "local_rank", "local_size", "mpi_built", "mpi_enabled",
+           "broadcast_variables", "callbacks", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built",
+           "elastic", "global_process_set", "gloo_built", "gloo_enabled", "grouped_allreduce", "init",
+           "is_homogeneous", "is_initialized", "load_model", "local_rank", "local_size", "mpi_built", "mpi_enabled",
            "mpi_threads_supported", "nccl_built", "oob_allreduce", "optimizers", "rank", "reducescatter",
            "remove_process_set", "rocm_built", "scale_lr", "schedules", "shutdown", "size", "start_timeline",
            "stop_timeline", "sycl_built"]

@@ -49,12 +49,13 @@ def __getattr__(name):
 
 __all__ = ["Adasum", "Average", "Compression", "Compressor", "DistributedGradientTape", "DistributedOptimizer",
            "FastxferError", "Max", "Min", "MismatchError", "PartialDistributedGradientTape", "PeerFailureError",
-           "ProcessSet", "Product", "Sum", "add_process_set", "allgather", "allgather_object", "allreduce", "alltoall",
-           "broadcast", "broadcast_", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
-           "broadcast_variables", "ccl_built", "check_num_rank_power_of_2", "cross_rank", "cross_size", "cuda_built",
-           "ddl_built", "elastic", "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather", "grouped_allreduce",
-           "grouped_reducescatter", "handle_average_backwards_compatibility", "in_xla_context", "init",
-           "is_homogeneous", "is_initialized", "join", "local_rank", "local_rank_op", "local_size", "local_size_op",
-           "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "oob_allreduce",
-           "process_set_included_op", "rank", "rank_op", "reduce_gradients", "reducescatter", "remove_process_set",
-           "rocm_built", "shutdown", "size", "size_op", "start_timeline", "stop_timeline", "sycl_built"]
+           "ProcessSet", "Product", "Sum", "add_process_set", "allgather", "allgather_object", "allreduce",
+           "alltoall", "broadcast", "broadcast_", "broadcast_global_variables", "broadcast_object",
+           "broadcast_object_fn", "broadcast_variables", "ccl_built", "check_num_rank_power_of_2", "cross_rank",
+           "cross_size", "cuda_built", "ddl_built", "elastic", "global_process_set", "gloo_built", "gloo_enabled",
+           "grouped_allgather", "grouped_allreduce", "grouped_reducescatter",
+           "handle_average_backwards_compatibility", "in_xla_context", "init", "is_homogeneous", "is_initialized",
+           "join", "local_rank", "local_rank_op", "local_size", "local_size_op", "mpi_built", "mpi_enabled",
+           "mpi_threads_supported", "nccl_built", "oob_allreduce", "process_set_included_op", "rank", "rank_op",
+           "reduce_gradients", "reducescatter", "remove_process_set", "rocm_built", "shutdown", "size", "size_op",
+           "start_timeline", "stop_timeline", "sycl_built"]
