@@ -30,12 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"fastxfer {fastxfer.__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    from fastxfer import run
+    from fastxfer import run, run_elastic
 
     runp = sub.add_parser("run", help="start N workers with rank-prefixed output; one failing stops the rest",
-                          description=run.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                          description=run.__doc__ + "\n" + run_elastic.__doc__,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
     run.add_arguments(runp)
-    runp.set_defaults(func=run.main)
+    runp.set_defaults(func=run_elastic.main)
 
     from fastxfer import topology
 

@@ -115,7 +115,7 @@ def _pump(stream, out, prefix: bytes, lock: threading.Lock) -> None:
     stream.close()
 
 
-def _say(line: str) -> None:
+def say(line: str) -> None:
     """The launcher's own messages on stderr; a stderr that went away (SIGHUP, closed pipe) is not an error."""
     try:
         print(line, file=sys.stderr, flush=True)
@@ -273,13 +273,13 @@ class Job:
                     if failure is not None:
                         r, code = failure
                         with self.lock:
-                            _say(f"fastxfer run: rank {r} failed ({describe_exit(code)}); "
+                            say(f"fastxfer run: rank {r} failed ({describe_exit(code)}); "
                                  f"giving the other ranks {self.grace:g} s to stop")
                         stop_at = now + self.grace
                 if self.interrupted is not None and not announced:
                     announced = True
                     with self.lock:
-                        _say(f"fastxfer run: the launcher {STOP_SIGNALS[self.interrupted]}: sending SIGTERM to every "
+                        say(f"fastxfer run: the launcher {STOP_SIGNALS[self.interrupted]}: sending SIGTERM to every "
                              f"rank, SIGKILL after {KILL_AFTER_S:g} s")
                     if term_at is None:
                         stop_at = now
@@ -303,7 +303,7 @@ class Job:
         first = self._first_failure()
         if self.interrupted is not None:
             states = ", ".join(f"rank {i}: {describe_exit(p.returncode)}" for i, p in enumerate(self.procs))
-            _say(f"fastxfer run: job stopped: the launcher {STOP_SIGNALS[self.interrupted]}; all ranks stopped "
+            say(f"fastxfer run: job stopped: the launcher {STOP_SIGNALS[self.interrupted]}; all ranks stopped "
                  f"({states})")
             return 128 + self.interrupted
         if first is None:
@@ -313,10 +313,10 @@ class Job:
         if r in reports and reports[r][0] != r:
             # the first to fail gave up waiting: blame the rank it waited for, not the messenger
             culprit, msg = reports[r]
-            _say(f"fastxfer run: job failed: rank {culprit} stalled (named by rank {r}: {msg}); rank {r} gave up "
+            say(f"fastxfer run: job failed: rank {culprit} stalled (named by rank {r}: {msg}); rank {r} gave up "
                  f"waiting for it ({describe_exit(code)})" + (f"; {', '.join(others)}" if others else ""))
         else:
-            _say(f"fastxfer run: job failed: rank {r} failed first ({describe_exit(code)})"
+            say(f"fastxfer run: job failed: rank {r} failed first ({describe_exit(code)})"
                  + (f"; {', '.join(others)}" if others else ""))
         return 128 - code if code < 0 else code
 
@@ -373,7 +373,7 @@ def mpi_environment(np_: int, hosts: list[tuple[str, int]], agent: str | None, n
     per_host = max(min(n, np_) for _, n in hosts)
     if per_host >= cores and "OMPI_MCA_mpi_yield_when_idle" not in env:
         env["OMPI_MCA_mpi_yield_when_idle"] = "1"
-        _say(f"fastxfer run: up to {per_host} ranks per host on {cores} cores: Open MPI set to yield while it "
+        say(f"fastxfer run: up to {per_host} ranks per host on {cores} cores: Open MPI set to yield while it "
              "waits (OMPI_MCA_mpi_yield_when_idle=1; set it yourself to choose)")
     return env
 
@@ -447,12 +447,12 @@ def run_mpirun(cmd: list[str], env: dict[str, str]) -> int:
             signal.signal(s, h)
     if watch.lost_any:
         hosts = ", ".join(watch.lost) if watch.lost else "a host"
-        _say(f"fastxfer run: job failed: lost {'host ' if watch.lost else ''}{hosts} (mpirun says its daemon "
+        say(f"fastxfer run: job failed: lost {'host ' if watch.lost else ''}{hosts} (mpirun says its daemon "
              f"stopped answering: the host went down, its processes were killed or its link failed); mpirun "
              f"{describe_exit(code)}")
         return code if code > 0 else 1
     if got:
-        _say(f"fastxfer run: job stopped: the launcher {STOP_SIGNALS[got[0]]}; mpirun {describe_exit(code)}")
+        say(f"fastxfer run: job stopped: the launcher {STOP_SIGNALS[got[0]]}; mpirun {describe_exit(code)}")
         return 128 + got[0]
     return 128 - code if code < 0 else code
 
@@ -481,7 +481,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- the command each worker runs")
 
 
-def main(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace, elastic_job=None) -> int:
+    """`fastxfer run`. ``elastic_job``: the class that runs an elastic job (run_elastic.ElasticJob;
+    `fastxfer run` is started through run_elastic.main, which passes it)."""
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
@@ -520,8 +522,8 @@ def main(args: argparse.Namespace) -> int:
         for w in placement:
             print(f"fastxfer run: rank {w['local_rank']}: {w['numactl']}", file=sys.stderr, flush=True)
     if elastic:
-        from fastxfer.run_elastic import ElasticJob
-
+        if elastic_job is None:
+            raise SystemExit("fastxfer run: elastic options need fastxfer.run_elastic.main")
         min_np = args.np if args.min_np is None else args.min_np
         max_np = args.np if args.max_np is None else args.max_np
         restarts = args.max_restarts or 0
@@ -529,7 +531,7 @@ def main(args: argparse.Namespace) -> int:
             raise SystemExit(f"fastxfer run: need 1 <= --min-np ({min_np}) <= -np ({args.np}) <= --max-np ({max_np})")
         if restarts < 0:
             raise SystemExit("fastxfer run: --max-restarts must be >= 0")
-        job = ElasticJob(args.np, command, args.grace, min_np, max_np, restarts, placement=placement)
+        job = elastic_job(args.np, command, args.grace, min_np, max_np, restarts, placement=placement)
     else:
         job = Job(args.np, command, args.grace, placement=placement)
     job.catch_stop_signals()

@@ -29,7 +29,13 @@ import time
 
 from fastxfer.comm import segments
 from fastxfer.comm.rendezvous import SOCKET_ENV, WORKER_ENV, Rendezvous
-from fastxfer.run import KILL_AFTER_S, STOP_SIGNALS, Job, _say, describe_exit, die_with_parent
+from fastxfer import run
+from fastxfer.run import KILL_AFTER_S, STOP_SIGNALS, Job, say, describe_exit, die_with_parent
+
+
+def main(args) -> int:
+    """`fastxfer run`, elastic options included (run.py does the rest)."""
+    return run.main(args, elastic_job=ElasticJob)
 
 
 class ElasticJob(Job):
@@ -109,18 +115,18 @@ class ElasticJob(Job):
                     elif failed and str(w) not in self.rdzv.members() + (self.rdzv.expected or []):
                         self.failures.append(f"worker {w} (not yet in the group): {why}")
                         with self.lock:
-                            _say(f"fastxfer run: worker {w} failed before joining the group ({why})")
+                            say(f"fastxfer run: worker {w} failed before joining the group ({why})")
                     elif failed:
                         self.failures.append(f"worker {w} ({self._where(w)}): {why}")
                         with self.lock:
-                            _say(f"fastxfer run: worker {w} ({self._where(w)}) failed ({why})")
+                            say(f"fastxfer run: worker {w} ({self._where(w)}) failed ({why})")
                         if failure_at is None:
                             failure_at = now
                         if self.restarts_left > 0 and not self.finishing and self.interrupted is None:
                             self.restarts_left -= 1
                             nw = len(self.procs)
                             with self.lock:
-                                _say(f"fastxfer run: starting worker {nw} in its place ({self.restarts_left} "
+                                say(f"fastxfer run: starting worker {nw} in its place ({self.restarts_left} "
                                      "restart(s) left)")
                             self._start_worker(nw, self.slots[w], preexec)
                     elif not failed and str(w) in self.rdzv.members():
@@ -131,7 +137,7 @@ class ElasticJob(Job):
                             and stop_at is None:
                         failed_job = (f"{alive} worker(s) left, fewer than --min-np {self.min_np}")
                         with self.lock:
-                            _say(f"fastxfer run: {failed_job}; giving the others {self.grace:g} s to stop")
+                            say(f"fastxfer run: {failed_job}; giving the others {self.grace:g} s to stop")
                         stop_at = now + self.grace
                 gen = self.rdzv.current
                 if gen is not None and gen.number != gen_seen and gen.number > 0:
@@ -140,7 +146,7 @@ class ElasticJob(Job):
                         self.resumed.append(time.monotonic() - failure_at)
                         failure_at = None
                     with self.lock:
-                        _say(f"fastxfer run: generation {gen.number}: {len(gen.members)} worker(s) "
+                        say(f"fastxfer run: generation {gen.number}: {len(gen.members)} worker(s) "
                              f"(workers {', '.join(gen.members)} as ranks 0..{len(gen.members) - 1})")
                     self._remove_segment(gen.number - 1)
                 for w in self.rdzv.overdue():
@@ -148,7 +154,7 @@ class ElasticJob(Job):
                     if wi not in self.killed_stalled and self.procs[wi].poll() is None:
                         self.killed_stalled.add(wi)
                         with self.lock:
-                            _say(f"fastxfer run: worker {w} did not rejoin within {self.rdzv.timeout:g} s: "
+                            say(f"fastxfer run: worker {w} did not rejoin within {self.rdzv.timeout:g} s: "
                                  "killing it")
                         try:
                             os.killpg(self.procs[wi].pid, signal.SIGKILL)
@@ -165,7 +171,7 @@ class ElasticJob(Job):
                 if self.interrupted is not None and not announced:
                     announced = True
                     with self.lock:
-                        _say(f"fastxfer run: the launcher {STOP_SIGNALS[self.interrupted]}: sending SIGTERM to every "
+                        say(f"fastxfer run: the launcher {STOP_SIGNALS[self.interrupted]}: sending SIGTERM to every "
                              f"worker, SIGKILL after {KILL_AFTER_S:g} s")
                     if term_at is None:
                         stop_at = now
@@ -201,7 +207,7 @@ class ElasticJob(Job):
         recovered = "; ".join(self.failures)
         if self.interrupted is not None:
             states = ", ".join(f"worker {i}: {describe_exit(p.returncode)}" for i, p in enumerate(self.procs))
-            _say(f"fastxfer run: job stopped: the launcher {STOP_SIGNALS[self.interrupted]}; all workers stopped "
+            say(f"fastxfer run: job stopped: the launcher {STOP_SIGNALS[self.interrupted]}; all workers stopped "
                  f"({states})")
             return 128 + self.interrupted
         last = self.rdzv.history[-1] if self.rdzv.history else None
@@ -215,7 +221,7 @@ class ElasticJob(Job):
                     msg += f"; recovered from {len(self.failures)} failure(s): {recovered}"
                 if self.resumed:
                     msg += "; training resumed " + ", ".join(f"{s:.1f} s" for s in self.resumed) + " after them"
-                _say(msg)
+                say(msg)
                 return 0
             m, code = sorted(bad.items(), key=lambda kv: self.exit_times.get(int(kv[0]), 0))[0]
             if not self.failures:
@@ -226,5 +232,5 @@ class ElasticJob(Job):
         why = failed_job or "a worker of the last generation failed"
         first = min(((self.exit_times[i], p.returncode) for i, p in enumerate(self.procs)
                      if p.returncode not in (None, 0) and i in self.exit_times), default=(0, 1))[1]
-        _say(f"fastxfer run: elastic job failed: {why}; failures: {recovered or 'none recorded'}")
+        say(f"fastxfer run: elastic job failed: {why}; failures: {recovered or 'none recorded'}")
         return 128 - first if first < 0 else (first or 1)

@@ -173,3 +173,18 @@ def test_keras_fit_survives_a_failed_commit_rank_0_and_two_failures_in_a_row(fla
         assert all(int(f) + int(t) == 6 for _, f, t in epochs), epochs
     assert "ran out of data" not in r.stdout + r.stderr
     assert r.stderr.count("killed by SIGKILL") >= 3
+
+
+@needs_tf
+@pytest.mark.parametrize("flavour", [TF_KERAS])  # the example's optimizer.lr is Keras 2's
+def test_horovod_elastic_keras_example_runs_with_only_the_import_changed(flavour, tmp_path):
+    env = {**ENV, "TF_USE_LEGACY_KERAS": "1", "KILL_WORKER": "2", "KILL_AFTER": "5"}
+    r = launch(3, os.path.join("horovod_examples", "tensorflow2_keras_mnist_elastic.py"), launcher_args=elastic(3, 2),
+               env=env, timeout=600, cwd=tmp_path)
+    ok(r)
+    final = lines(r, "FINAL")
+    assert sorted(final) == [0, 1], r.stdout
+    # the same weights on both survivors; the reset callback rescaled the learning rate to 1.0 x 2
+    assert len({f.split(" weights ")[1] for f in final.values()}) == 1, final
+    assert all(f.startswith(f"rank {w} size 2 epoch 4 lr 2.0 ") for w, f in final.items()), final
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*.h5")) == [f"checkpoint-{e}.h5" for e in (1, 2, 3, 4)]

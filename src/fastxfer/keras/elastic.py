@@ -35,6 +35,7 @@ else:
     import keras
 
 from fastxfer.elastic import HostsUpdatedInterrupt, ObjectState, State
+from fastxfer.keras._distributed import accumulators
 from fastxfer.tensorflow.elastic import TensorFlowKerasState, TensorFlowState, run
 
 
@@ -43,6 +44,11 @@ class KerasState(TensorFlowKerasState):
 
     def __init__(self, model, optimizer=None, **kwargs):
         super().__init__(model, optimizer=optimizer, **kwargs)
+
+    def _optimizer_state(self) -> list:
+        # backward_passes_per_step's accumulators hold this rank's own gradients: not state
+        skip = {id(v) for v in accumulators(self.optimizer)} if self.optimizer is not None else set()
+        return [v for v in super()._optimizer_state() if id(v) not in skip]
 
 
 class CommitStateCallback(keras.callbacks.Callback):
