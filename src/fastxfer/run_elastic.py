@@ -161,13 +161,17 @@ class ElasticJob(Job):
                         except (ProcessLookupError, PermissionError):
                             pass
                 if self.finishing and not any(self.procs[int(m)].poll() is None for m in self.rdzv.members()):
-                    # the members are done: newcomers still waiting to join have nothing to join
-                    for w in self.rdzv.pending():
-                        self.dismissed.add(int(w))
-                        try:
-                            os.killpg(self.procs[int(w)].pid, signal.SIGTERM)
-                        except (ProcessLookupError, PermissionError):
-                            pass
+                    # the members are done: workers that are not members (restarted ones, waiting to
+                    # join or still starting) have nothing left to join
+                    self.rdzv.close("the job finished before this worker could join it")
+                    for w in list(self.rdzv.alive):
+                        wi = int(w)
+                        if wi not in self.dismissed and self.procs[wi].poll() is None:
+                            self.dismissed.add(wi)
+                            try:
+                                os.killpg(self.procs[wi].pid, signal.SIGTERM)
+                            except (ProcessLookupError, PermissionError):
+                                pass
                 if self.interrupted is not None and not announced:
                     announced = True
                     with self.lock:
@@ -228,7 +232,8 @@ class ElasticJob(Job):
                 self.failures.append(f"worker {m} ({self._where(int(m))}): {describe_exit(code)}")
                 recovered = self.failures[0]
         elif last is None and failed_job is None:
-            failed_job = "no generation was formed"
+            failed_job = ("no generation was formed: the workers never called fastxfer.init() (an elastic job's "
+                          "workers join the group there)")
         why = failed_job or "a worker of the last generation failed"
         first = min(((self.exit_times[i], p.returncode) for i, p in enumerate(self.procs)
                      if p.returncode not in (None, 0) and i in self.exit_times), default=(0, 1))[1]

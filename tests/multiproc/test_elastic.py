@@ -99,6 +99,22 @@ def test_restarted_worker_joins_at_the_next_commit():
     assert len(totals) == 1 and all(" size 3 steps 40 " in d for d in done.values()), done
 
 
+def test_without_an_elastic_launcher_a_failure_still_ends_the_job():
+    # the same script under a plain `fastxfer run`: elastic.run calls the function once and the
+    # survivor's PeerFailureError ends the job as usual
+    r = launch(2, "elastic_np_worker.py", 12, "1@5", env=ENV)
+    assert r.returncode == 137, r.stderr
+    assert "PeerFailureError" in r.stderr and "job failed: rank 1 failed first (killed by SIGKILL)" in r.stderr
+
+
+def test_restarted_worker_that_comes_too_late_is_stopped_and_the_job_succeeds():
+    # no nap: the survivors finish long before the restarted worker has started; it is stopped
+    r = launch(3, "elastic_np_worker.py", 30, "2@3", launcher_args=elastic(3, 2, "--max-restarts", "1"), env=ENV)
+    ok(r)
+    assert sorted(lines(r, "DONE")) == [0, 1], r.stdout
+    assert "elastic job finished with 2 worker(s) (generation 1)" in r.stderr
+
+
 def test_usage_errors():
     r = run_command(fastxfer_cmd() + ["run", "-np", "2", "--min-np", "1", "--hosts", "a:1,b:1", "--", "true"])
     assert r.returncode != 0 and "elastic jobs (--min-np/--max-np/--max-restarts) run on one host for now" in r.stderr

@@ -23,7 +23,7 @@ from _checks import expect
 STEPS = int(sys.argv[1])
 NAP = float(os.environ.get("NAP", "0"))
 VICTIMS = {int(w): int(s) for w, _, s in (a.partition("@") for a in sys.argv[2:])}
-WORKER = int(os.environ["FASTXFER_WORKER_ID"])
+WORKER = int(os.environ.get("FASTXFER_WORKER_ID", os.environ.get("FASTXFER_RANK", "-1")))  # plain runs: the rank
 stale = []  # handles submitted in an old group
 
 
