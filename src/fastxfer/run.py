@@ -123,6 +123,40 @@ def say(line: str) -> None:
         pass
 
 
+class Stopper:
+    """How a launcher stops its workers: once told to (``stop_at``: when a failure's grace runs out)
+    or sent a stop signal, SIGTERM to every worker, then SIGKILL after KILL_AFTER_S, at once after
+    a second stop signal. ``tick()`` from the launcher's wait loop."""
+
+    def __init__(self, job: "Job", noun: str):
+        self.job, self.noun = job, noun
+        self.stop_at: float | None = None
+        self.term_at: float | None = None
+        self.kill_at: float | None = None
+        self.announced = False
+
+    def tick(self, now: float, before_term=None) -> None:
+        job = self.job
+        if job.interrupted is not None and not self.announced:
+            self.announced = True
+            with job.lock:
+                say(f"fastxfer run: the launcher {STOP_SIGNALS[job.interrupted]}: sending SIGTERM to every "
+                    f"{self.noun}, SIGKILL after {KILL_AFTER_S:g} s")
+            if self.term_at is None:
+                self.stop_at = now
+        if self.stop_at is not None and now >= self.stop_at and self.term_at is None:
+            if before_term is not None:
+                before_term()
+            job.signal_all(signal.SIGTERM)
+            self.term_at = now
+            self.kill_at = now + KILL_AFTER_S
+        if job.hurry and self.kill_at is not None:
+            self.kill_at = min(self.kill_at, now)
+        if self.kill_at is not None and now >= self.kill_at:
+            job.signal_all(signal.SIGKILL)
+            self.kill_at = now + 1.0
+
+
 class Job:
     def __init__(self, np_: int, command: list[str], grace: float, extra_env: dict[str, str] | None = None,
                  placement: list[dict] | None = None):
@@ -263,35 +297,19 @@ class Job:
         (forward SIGTERM to every rank, SIGKILL after KILL_AFTER_S); removes the job's segments.
         Returns the exit code; the last line on stderr says why the job ended when it failed."""
         self.catch_stop_signals()
-        stop_at = term_at = kill_at = None
-        announced = False
+        stopper = Stopper(self, "rank")
         try:
             while len(self.exit_times) < len(self.procs):
                 now = time.monotonic()
-                if stop_at is None:
+                if stopper.stop_at is None:
                     failure = self._first_failure()
                     if failure is not None:
                         r, code = failure
                         with self.lock:
                             say(f"fastxfer run: rank {r} failed ({describe_exit(code)}); "
                                  f"giving the other ranks {self.grace:g} s to stop")
-                        stop_at = now + self.grace
-                if self.interrupted is not None and not announced:
-                    announced = True
-                    with self.lock:
-                        say(f"fastxfer run: the launcher {STOP_SIGNALS[self.interrupted]}: sending SIGTERM to every "
-                             f"rank, SIGKILL after {KILL_AFTER_S:g} s")
-                    if term_at is None:
-                        stop_at = now
-                if stop_at is not None and now >= stop_at and term_at is None:
-                    self.signal_all(signal.SIGTERM)
-                    term_at = now
-                    kill_at = now + KILL_AFTER_S
-                if self.hurry and kill_at is not None:
-                    kill_at = min(kill_at, now)
-                if kill_at is not None and now >= kill_at:
-                    self.signal_all(signal.SIGKILL)
-                    kill_at = now + 1.0
+                        stopper.stop_at = now + self.grace
+                stopper.tick(now)
                 time.sleep(0.05)
             for t in self.pumps:
                 t.join(timeout=5)

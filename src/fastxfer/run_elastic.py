@@ -30,7 +30,7 @@ import time
 from fastxfer.comm import segments
 from fastxfer.comm.rendezvous import SOCKET_ENV, WORKER_ENV, Rendezvous
 from fastxfer import run
-from fastxfer.run import KILL_AFTER_S, STOP_SIGNALS, Job, say, describe_exit, die_with_parent
+from fastxfer.run import STOP_SIGNALS, Job, Stopper, describe_exit, die_with_parent, say
 
 
 def main(args) -> int:
@@ -92,8 +92,7 @@ class ElasticJob(Job):
     def wait(self) -> int:
         self.catch_stop_signals()
         preexec = die_with_parent(os.getpid())
-        stop_at = term_at = kill_at = None
-        announced = False
+        stopper = Stopper(self, "worker")
         failed_job: str | None = None
         failure_at: float | None = None
         gen_seen = 0
@@ -134,11 +133,11 @@ class ElasticJob(Job):
                     self.rdzv.exited(str(w), failed)
                     alive = len(self.rdzv.alive)
                     if failed and failed_job is None and alive < self.min_np and not self.finishing \
-                            and stop_at is None:
+                            and stopper.stop_at is None:
                         failed_job = (f"{alive} worker(s) left, fewer than --min-np {self.min_np}")
                         with self.lock:
                             say(f"fastxfer run: {failed_job}; giving the others {self.grace:g} s to stop")
-                        stop_at = now + self.grace
+                        stopper.stop_at = now + self.grace
                 gen = self.rdzv.current
                 if gen is not None and gen.number != gen_seen and gen.number > 0:
                     gen_seen = gen.number
@@ -172,23 +171,7 @@ class ElasticJob(Job):
                                 os.killpg(self.procs[wi].pid, signal.SIGTERM)
                             except (ProcessLookupError, PermissionError):
                                 pass
-                if self.interrupted is not None and not announced:
-                    announced = True
-                    with self.lock:
-                        say(f"fastxfer run: the launcher {STOP_SIGNALS[self.interrupted]}: sending SIGTERM to every "
-                             f"worker, SIGKILL after {KILL_AFTER_S:g} s")
-                    if term_at is None:
-                        stop_at = now
-                if stop_at is not None and now >= stop_at and term_at is None:
-                    self.rdzv.close("the job is stopping")
-                    self.signal_all(signal.SIGTERM)
-                    term_at = now
-                    kill_at = now + KILL_AFTER_S
-                if self.hurry and kill_at is not None:
-                    kill_at = min(kill_at, now)
-                if kill_at is not None and now >= kill_at:
-                    self.signal_all(signal.SIGKILL)
-                    kill_at = now + 1.0
+                stopper.tick(now, before_term=lambda: self.rdzv.close("the job is stopping"))
                 time.sleep(0.02)
             for t in self.pumps:
                 t.join(timeout=5)

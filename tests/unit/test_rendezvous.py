@@ -51,13 +51,19 @@ def join_all(workers):
     return threads, out
 
 
-def test_generations_form_from_who_is_expected_in_rank_order(rdzv):
+def first_generation(rdzv, order):
+    """Workers 0, 1, 2 started and joined in `order`: generation 0's replies, by worker."""
     for w in "012":
         rdzv.started(w)
     rdzv.expect_first(["0", "1", "2"])
-    threads, out = join_all([2, 0, 1])
+    threads, out = join_all(order)
     for t in threads:
         t.join(10)
+    return out
+
+
+def test_generations_form_from_who_is_expected_in_rank_order(rdzv):
+    out = first_generation(rdzv, [2, 0, 1])
     assert {w: (r["generation"], r["rank"], r["size"]) for w, r in out.items()} == {
         0: (0, 0, 3), 1: (0, 1, 3), 2: (0, 2, 3)}
     # worker 0 (rank 0) dies: the survivors form generation 1 in their old order
@@ -85,12 +91,7 @@ def test_generations_form_from_who_is_expected_in_rank_order(rdzv):
 
 
 def test_a_member_that_does_not_come_back_is_overdue(rdzv):
-    for w in "012":
-        rdzv.started(w)
-    rdzv.expect_first(["0", "1", "2"])
-    threads, _ = join_all([0, 1, 2])
-    for t in threads:
-        t.join(10)
+    first_generation(rdzv, [0, 1, 2])
     rdzv.exited("2", failed=True)
     threads, out = join_all([0])
     threading.Event().wait(0.7)

@@ -55,6 +55,19 @@ from fastxfer.data.sampling import augment_params, image_uniforms, mixup
 MAX_TARGET_BYTES = 1 << 30  # one-hot (mixup / label smoothing) targets per batch: larger is refused
 
 
+def _rank_and_size(rank: int | None, size: int | None) -> tuple[int, int]:
+    """The given rank and size, else the job's (0 of 1 before init); ValueError when inconsistent."""
+    if rank is None or size is None:
+        import fastxfer as fx
+
+        r, s = (fx.rank(), fx.size()) if fx.is_initialized() else (0, 1)
+        rank = r if rank is None else rank
+        size = s if size is None else size
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} is outside 0..{size - 1}")
+    return int(rank), int(size)
+
+
 def _default_threads() -> int:
     env = os.environ.get("FASTXFER_LOADER_THREADS")
     if env:
@@ -76,14 +89,7 @@ class Loader:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', not {dtype!r}")
-        if rank is None or size is None:
-            import fastxfer as fx
-
-            r, s = (fx.rank(), fx.size()) if fx.is_initialized() else (0, 1)
-            rank = r if rank is None else rank
-            size = s if size is None else size
-        if not 0 <= rank < size:
-            raise ValueError(f"rank {rank} is outside 0..{size - 1}")
+        rank, size = _rank_and_size(rank, size)
         self.ds = PackedDataset(str(path), verify=verify)
         try:  # the pack is open: close it if anything below refuses
             if cache:
@@ -175,14 +181,7 @@ class Loader:
         is dealt out to the new ranks: no record of the epoch is lost or seen twice because of the
         reset (at most ``size - 1`` of the tail are left out, as in any epoch, so that every rank
         has the same number of batches)."""
-        if rank is None or size is None:
-            import fastxfer as fx
-
-            r, s = (fx.rank(), fx.size()) if fx.is_initialized() else (0, 1)
-            rank = r if rank is None else rank
-            size = s if size is None else size
-        if not 0 <= rank < size:
-            raise ValueError(f"rank {rank} is outside 0..{size - 1}")
+        rank, size = _rank_and_size(rank, size)
         start = int(start)
         if not 0 <= start <= len(self.ds):
             raise ValueError(f"start {start} is outside 0..{len(self.ds)} (the records of the pack)")
