@@ -307,7 +307,7 @@ class Job:
                         r, code = failure
                         with self.lock:
                             say(f"fastxfer run: rank {r} failed ({describe_exit(code)}); "
-                                 f"giving the other ranks {self.grace:g} s to stop")
+                                f"giving the other ranks {self.grace:g} s to stop")
                         stopper.stop_at = now + self.grace
                 stopper.tick(now)
                 time.sleep(0.05)
@@ -322,7 +322,7 @@ class Job:
         if self.interrupted is not None:
             states = ", ".join(f"rank {i}: {describe_exit(p.returncode)}" for i, p in enumerate(self.procs))
             say(f"fastxfer run: job stopped: the launcher {STOP_SIGNALS[self.interrupted]}; all ranks stopped "
-                 f"({states})")
+                f"({states})")
             return 128 + self.interrupted
         if first is None:
             return 0
@@ -332,7 +332,7 @@ class Job:
             # the first to fail gave up waiting: blame the rank it waited for, not the messenger
             culprit, msg = reports[r]
             say(f"fastxfer run: job failed: rank {culprit} stalled (named by rank {r}: {msg}); rank {r} gave up "
-                 f"waiting for it ({describe_exit(code)})" + (f"; {', '.join(others)}" if others else ""))
+                f"waiting for it ({describe_exit(code)})" + (f"; {', '.join(others)}" if others else ""))
         else:
             say(f"fastxfer run: job failed: rank {r} failed first ({describe_exit(code)})"
                  + (f"; {', '.join(others)}" if others else ""))
@@ -392,7 +392,7 @@ def mpi_environment(np_: int, hosts: list[tuple[str, int]], agent: str | None, n
     if per_host >= cores and "OMPI_MCA_mpi_yield_when_idle" not in env:
         env["OMPI_MCA_mpi_yield_when_idle"] = "1"
         say(f"fastxfer run: up to {per_host} ranks per host on {cores} cores: Open MPI set to yield while it "
-             "waits (OMPI_MCA_mpi_yield_when_idle=1; set it yourself to choose)")
+            "waits (OMPI_MCA_mpi_yield_when_idle=1; set it yourself to choose)")
     return env
 
 
@@ -466,8 +466,8 @@ def run_mpirun(cmd: list[str], env: dict[str, str]) -> int:
     if watch.lost_any:
         hosts = ", ".join(watch.lost) if watch.lost else "a host"
         say(f"fastxfer run: job failed: lost {'host ' if watch.lost else ''}{hosts} (mpirun says its daemon "
-             f"stopped answering: the host went down, its processes were killed or its link failed); mpirun "
-             f"{describe_exit(code)}")
+            f"stopped answering: the host went down, its processes were killed or its link failed); mpirun "
+            f"{describe_exit(code)}")
         return code if code > 0 else 1
     if got:
         say(f"fastxfer run: job stopped: the launcher {STOP_SIGNALS[got[0]]}; mpirun {describe_exit(code)}")

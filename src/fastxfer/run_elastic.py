@@ -126,7 +126,7 @@ class ElasticJob(Job):
                             nw = len(self.procs)
                             with self.lock:
                                 say(f"fastxfer run: starting worker {nw} in its place ({self.restarts_left} "
-                                     "restart(s) left)")
+                                    "restart(s) left)")
                             self._start_worker(nw, self.slots[w], preexec)
                     elif not failed and str(w) in self.rdzv.members():
                         self.finishing = True  # a member finished: the job is ending, no restarts
@@ -146,7 +146,7 @@ class ElasticJob(Job):
                         failure_at = None
                     with self.lock:
                         say(f"fastxfer run: generation {gen.number}: {len(gen.members)} worker(s) "
-                             f"(workers {', '.join(gen.members)} as ranks 0..{len(gen.members) - 1})")
+                            f"(workers {', '.join(gen.members)} as ranks 0..{len(gen.members) - 1})")
                     self._remove_segment(gen.number - 1)
                 for w in self.rdzv.overdue():
                     wi = int(w)
@@ -154,7 +154,7 @@ class ElasticJob(Job):
                         self.killed_stalled.add(wi)
                         with self.lock:
                             say(f"fastxfer run: worker {w} did not rejoin within {self.rdzv.timeout:g} s: "
-                                 "killing it")
+                                "killing it")
                         try:
                             os.killpg(self.procs[wi].pid, signal.SIGKILL)
                         except (ProcessLookupError, PermissionError):
@@ -195,7 +195,7 @@ class ElasticJob(Job):
         if self.interrupted is not None:
             states = ", ".join(f"worker {i}: {describe_exit(p.returncode)}" for i, p in enumerate(self.procs))
             say(f"fastxfer run: job stopped: the launcher {STOP_SIGNALS[self.interrupted]}; all workers stopped "
-                 f"({states})")
+                f"({states})")
             return 128 + self.interrupted
         last = self.rdzv.history[-1] if self.rdzv.history else None
         if failed_job is None and last is not None:
