@@ -13,8 +13,9 @@ The job ends when every worker has exited. Its exit code is 0 when the last gene
 all exited 0 -- failures the job recovered from are listed in the last lines, not fatal -- and
 otherwise the first failure's. When fewer than M workers remain (and no restart is left), the
 rest are stopped as `fastxfer run` stops a failed job, and the last line names every failure.
-A worker that does not come back to the rendezvous within FASTXFER_ELASTIC_TIMEOUT seconds
-(default 60) after a failure is treated as stalled: it is killed and the generation forms without it.
+A member that does not come back to the rendezvous within FASTXFER_ELASTIC_TIMEOUT seconds
+(default: FASTXFER_TIMEOUT, else 300) after a failure is treated as stalled: it is killed and the
+generation forms without it. The first generation waits as long as the workers take to reach init().
 
 Workers' output is prefixed with their worker number: 0..N-1 for the first ones, N, N+1, ... for
 restarted ones (a worker's rank can change from one generation to the next; its number does not).
@@ -42,8 +43,8 @@ class ElasticJob(Job):
     def __init__(self, np_: int, command: list[str], grace: float, min_np: int, max_np: int, max_restarts: int,
                  placement: list[dict] | None = None, timeout: float | None = None):
         super().__init__(np_, command, grace, placement=placement)
-        if timeout is None:
-            timeout = float(os.environ.get("FASTXFER_ELASTIC_TIMEOUT", 60))
+        if timeout is None:  # as long as a silent peer may take before the engine gives up on it
+            timeout = float(os.environ.get("FASTXFER_ELASTIC_TIMEOUT", os.environ.get("FASTXFER_TIMEOUT", 300)))
         self.min_np, self.max_np, self.restarts_left = min_np, max_np, max_restarts
         self.rdzv = Rendezvous(self.secret, self.report_dir, min_np, max_np, timeout)
         self.slots: dict[int, int] = {}      # worker -> placement slot

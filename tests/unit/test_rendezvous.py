@@ -51,11 +51,14 @@ def join_all(workers):
     return threads, out
 
 
-def first_generation(rdzv, order):
-    """Workers 0, 1, 2 started and joined in `order`: generation 0's replies, by worker."""
+def first_generation(rdzv, order, late=0.0):
+    """Workers 0, 1, 2 started and joined in `order` (after `late` seconds: the first generation
+    has no timeout, however long workers take to start): generation 0's replies, by worker."""
     for w in "012":
         rdzv.started(w)
     rdzv.expect_first(["0", "1", "2"])
+    threading.Event().wait(late)
+    assert rdzv.overdue() == []
     threads, out = join_all(order)
     for t in threads:
         t.join(10)
@@ -91,7 +94,7 @@ def test_generations_form_from_who_is_expected_in_rank_order(rdzv):
 
 
 def test_a_member_that_does_not_come_back_is_overdue(rdzv):
-    first_generation(rdzv, [0, 1, 2])
+    first_generation(rdzv, [0, 1, 2], late=0.7)  # past the 0.5 s timeout: not overdue
     rdzv.exited("2", failed=True)
     threads, out = join_all([0])
     threading.Event().wait(0.7)

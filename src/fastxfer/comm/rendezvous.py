@@ -164,9 +164,10 @@ class Rendezvous:
                 pass
 
     def overdue(self) -> list[str]:
-        """Expected workers that have not asked to join within the timeout of the forming."""
+        """Expected members that have not asked to join within the timeout of a re-forming (the
+        first generation waits as long as the workers take to start and reach init())."""
         with self.cond:
-            if self.expected is None or time.monotonic() - self.forming_since < self.timeout:
+            if self.expected is None or self.current is None or time.monotonic() - self.forming_since < self.timeout:
                 return []
             return [w for w in self.expected if w not in self.waiting]
 
