@@ -6,11 +6,13 @@ import glob
 import importlib.util
 import os
 import re
+import signal
+import time
 
 import numpy as np
 import pytest
 
-from _launch import launch, run_command, fastxfer_cmd
+from _launch import fastxfer_cmd, finish, launch, launch_cmd, launch_env, run_command, start
 
 HAVE_TF = importlib.util.find_spec("tensorflow") is not None
 needs_tf = pytest.mark.skipif(not HAVE_TF, reason="TensorFlow not installed")
@@ -113,6 +115,22 @@ def test_restarted_worker_that_comes_too_late_is_stopped_and_the_job_succeeds():
     ok(r)
     assert sorted(lines(r, "DONE")) == [0, 1], r.stdout
     assert "elastic job finished with 2 worker(s) (generation 1)" in r.stderr
+
+
+def test_sigterm_to_an_elastic_launcher_stops_every_worker_and_the_rendezvous():
+    before = shm_segments()
+    p = start(launch_cmd(3, "elastic_np_worker.py", 100000, launcher_args=elastic(3, 2)),
+              env=launch_env({**ENV, "NAP": "0.05"}))
+    time.sleep(4)  # the workers start and train (a step per 50 ms); stopped wherever they are
+    os.kill(p.pid, signal.SIGTERM)
+    r = finish(p, timeout=120)
+    assert r.returncode == 128 + signal.SIGTERM, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("fastxfer run: job stopped: the launcher asked to stop (SIGTERM); all workers stopped "
+                           "(worker 0: "), last
+    assert "fastxfer run: the launcher asked to stop (SIGTERM): sending SIGTERM to every worker" in r.stderr
+    assert "generation 1" not in r.stderr  # stopping is not a failure: no re-forming
+    assert shm_segments() <= before
 
 
 def test_usage_errors():
