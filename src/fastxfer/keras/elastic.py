@@ -127,6 +127,19 @@ class UpdateBatchStateCallback(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self._steps = (self.params or {}).get("steps")
+        self._unfilter()  # a fit that a failure ended right after an early epoch end
+
+    def _unfilter(self) -> None:
+        """Undo the warning filter and the logger level set when an epoch was ended early."""
+        if self._filter is None:
+            return
+        logging.getLogger("tensorflow").setLevel(self._logger_level)
+        try:
+            warnings.filters.remove(self._filter)
+            warnings._filters_mutated()
+        except (ValueError, AttributeError):
+            pass
+        self._filter = None
 
     def on_epoch_begin(self, epoch, logs=None):
         self._offset = int(getattr(self.state, "batch", 0) or 0)
@@ -155,13 +168,7 @@ class UpdateBatchStateCallback(keras.callbacks.Callback):
                 warnings.warn("fastxfer.keras.elastic: this Keras's fit loop is not one fastxfer knows; the epochs "
                               "after a mid-epoch reset may be shorter than steps_per_epoch", RuntimeWarning,
                               stacklevel=2)
-            logging.getLogger("tensorflow").setLevel(self._logger_level)
-            try:
-                warnings.filters.remove(self._filter)
-                warnings._filters_mutated()
-            except (ValueError, AttributeError):
-                pass
-            self._filter = None
+            self._unfilter()
 
 
 class UpdateEpochStateCallback(keras.callbacks.Callback):
