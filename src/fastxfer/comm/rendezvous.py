@@ -175,7 +175,7 @@ class Rendezvous:
         """Newcomers waiting to join (not members of the current generation)."""
         with self.cond:
             members = set(self.current.members) if self.current else set()
-            return [w for w in self.waiting if w not in members]
+            return [w for w in self.waiting if w not in members and w in self.alive]
 
     def members(self) -> list[str]:
         with self.cond:
@@ -229,12 +229,10 @@ class Rendezvous:
                 self.cond.wait(1.0)
 
     def _poll(self, worker: str) -> dict:
-        with self.cond:
+        with self.cond:  # a reentrant lock: pending() takes it again
             gen = self.current
-            members = set(gen.members) if gen else set()
             room = len(gen.members) < self.max_np if gen else False
-            waiting = [w for w in self.waiting if w not in members and w in self.alive]
-            return {"generation": gen.number if gen else -1, "pending": bool(waiting) and room}
+            return {"generation": gen.number if gen else -1, "pending": bool(self.pending()) and room}
 
     # serving
     def serve(self) -> None:

@@ -42,9 +42,6 @@ from fastxfer.tensorflow.elastic import TensorFlowKerasState, TensorFlowState, r
 class KerasState(TensorFlowKerasState):
     """A Keras model, its optimizer and picklable values (``KerasState(model, batch=0, epoch=0)``)."""
 
-    def __init__(self, model, optimizer=None, **kwargs):
-        super().__init__(model, optimizer=optimizer, **kwargs)
-
     def _optimizer_state(self) -> list:
         # backward_passes_per_step's accumulators hold this rank's own gradients: not state
         skip = {id(v) for v in accumulators(self.optimizer)} if self.optimizer is not None else set()
