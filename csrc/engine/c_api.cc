@@ -84,11 +84,7 @@ int32_t c_submit(const fx_request* q, fx_done_fn done, void* ctx, char* err, siz
       done(ctx, static_cast<int32_t>(kind), msg.c_str(), req.gathered.data(), req.gathered.size(), req.gathered_rows,
            req.recv_splits.data(), static_cast<int32_t>(req.recv_splits.size()));
     };
-    if (q->process_set != 0) {
-      eng->submit(std::move(r));
-      return FX_OK;
-    }
-    g_engine->submit(std::move(r));
+    eng->submit(std::move(r), false, q->hold != 0);
     return FX_OK;
   } catch (const PeerFailure& e) {
     copy_message(err, errlen, e.what());

@@ -18,7 +18,7 @@
 extern "C" {
 #endif
 
-#define FX_C_API_VERSION 4
+#define FX_C_API_VERSION 5
 
 /* Values of fastxfer::CollectiveKind, DType, ReduceOp and Compression (common/). */
 enum { FX_ALLREDUCE = 0, FX_BROADCAST = 1, FX_ALLGATHER = 2, FX_ALLTOALL = 6, FX_REDUCESCATTER = 7 };
@@ -48,6 +48,9 @@ typedef struct fx_request {
   int32_t nsplits;
   int32_t process_set;   /* 0: every rank (the job's engine); otherwise a process set this rank belongs
                             to (fastxfer/comm/process_sets.py), whose own engine runs the collective */
+  int32_t hold;          /* non-zero: more requests of the same group follow at once; queue this one
+                            without starting a round for it (the next request without hold releases
+                            the group: Engine::submit) */
 } fx_request;
 
 /* `gathered`/`gathered_bytes`/`rows`: an allgather's, alltoall's or (out == NULL) reducescatter's

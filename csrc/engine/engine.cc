@@ -133,7 +133,7 @@ void Engine::check_shape(Request& req) const {
                                 " rows, but the tensor's first dimension is " + std::to_string(rows));
 }
 
-uint64_t Engine::submit(Request req, bool defer) {
+uint64_t Engine::submit(Request req, bool defer, bool hold) {
   // Invariants the bucket planner relies on (fastxfer/_validate.py gives users the friendly message).
   if (req.compression != Compression::kNone && req.dtype != DType::kFloat32)
     throw std::invalid_argument(std::string("compression applies to float32 tensors, not ") + dtype_name(req.dtype));
@@ -155,6 +155,14 @@ uint64_t Engine::submit(Request req, bool defer) {
   status_[id] = Status{};
   queue_.push_back(std::make_unique<Request>(std::move(req)));
   comm_->set_engine_idle(false);
+  if (hold) {
+    // Not woken (waking it for the first of a group was measured to cost more than the round it
+    // saves, the woken thread taking the core), and ready() tells it to leave held requests alone.
+    held_since_ = std::chrono::steady_clock::now();
+    ++held_;
+    return id;
+  }
+  held_ = 0;  // this submit releases the group held before it
   if (!defer) {
     work_cv_.notify_one();
     woke = engine_sleeping_;
@@ -181,6 +189,7 @@ void Engine::wait(uint64_t id) {
     auto it = status_.find(id);
     if (it == status_.end() || it->second.finished) break;
     if (!driving_ && !queue_.empty() && fatal_ == ErrorKind::kNone && !stop_ && !stopped_) {
+      held_ = 0;  // somebody waits: nothing is held back any more
       driving_ = true;
       lk.unlock();
       try {
@@ -299,6 +308,7 @@ void Engine::fail_callbacks(ErrorKind kind, const std::string& msg) {
       }
     }
     queue_.swap(keep);
+    held_ = 0;
     for (auto it = active_.begin(); it != active_.end();) {
       if (it->second->on_done) {
         status_.erase(it->first);
@@ -505,6 +515,7 @@ bool Engine::run_round() {
       batch.push_back(r);
       if (tl) r->t_agreed = timeline_.now();
     }
+    held_ = std::min(held_, queue_.size());  // held requests are the queue's tail: some may have run
   }
   if (active.empty()) {
     // The join completes: the rank that joined last (the latest round; the highest rank of a tie).
@@ -547,11 +558,22 @@ void Engine::loop() {
       double t_idle = tl ? timeline_.now() : 0;
       {
         std::unique_lock<std::mutex> lk(mu_);
-        auto ready = [&] { return (!queue_.empty() && !driving_) || stop_ || fatal_ != ErrorKind::kNone; };
-        if (!ready()) {
+        // Held requests (submit's `hold`) wait for the submit that releases them, or for a pause
+        // of hold_us in their group's submits: a group whose last submit never comes (a step
+        // that failed half-way) still runs. A held submit does not wake this thread, so an idle
+        // one looks every kIdleCheck whether something was held meanwhile.
+        auto ready = [&] { return (queue_.size() > held_ && !driving_) || stop_ || fatal_ != ErrorKind::kNone; };
+        const auto hold_for = std::chrono::microseconds(static_cast<int64_t>(cfg_.hold_us));
+        constexpr auto kIdleCheck = std::chrono::milliseconds(50);
+        while (!ready()) {
           comm_->set_engine_idle(queue_.empty() && !driving_);
           engine_sleeping_ = true;
-          work_cv_.wait(lk, ready);
+          if (held_ == 0) {
+            work_cv_.wait_for(lk, kIdleCheck);
+          } else {
+            work_cv_.wait_until(lk, held_since_ + hold_for);
+            if (held_ > 0 && std::chrono::steady_clock::now() >= held_since_ + hold_for) held_ = 0;
+          }
           engine_sleeping_ = false;
         }
         // A failure recorded by another thread (a waiter driving a round, the out-of-band lane)

@@ -2,6 +2,7 @@
 // the other ranks on how many of them to run next, fuses consecutive allreduces into buckets and
 // drives the collectives. Python threads only enqueue and wait; this thread never touches Python.
 #pragma once
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
@@ -26,6 +27,7 @@ namespace fastxfer {
 struct EngineConfig {
   size_t bucket_cap_bytes = 25u << 20;
   int max_records = 1024;       // requests agreed per round (the segment carries this many)
+  double hold_us = 2000;        // held requests (Engine::submit) run after this long without a submit
   std::vector<int> cpus;        // pin the engine thread to these CPUs (empty: no pinning)
   std::string timeline_path;    // FASTXFER_TIMELINE (empty: no timeline)
   int timeline_rank = 0;        // the rank the timeline names (its Chrome-trace pid)
@@ -78,8 +80,13 @@ class Engine {
 
   // Queues a request (its `id` is assigned here) and returns at once. Throws the engine's error
   // if it has already failed. `defer`: do not wake the engine thread, because the caller is about
-  // to wait() for the request and will run it itself (a synchronous call).
-  uint64_t submit(Request req, bool defer = false);
+  // to wait() for the request and will run it itself (a synchronous call). `hold`: more requests
+  // of the same group follow at once (a grouped allreduce's submits before the last of a bucket):
+  // queue it without waking the engine thread and without letting it start a round for it, so that
+  // the group is negotiated in one round instead of one round per tensor. The next submit without
+  // `hold` releases every held request; so do a waiter, and the engine thread itself once nothing
+  // was submitted for `EngineConfig::hold_us` (a group whose last submit never comes).
+  uint64_t submit(Request req, bool defer = false, bool hold = false);
   // Blocks until request `id` is done; throws its error. Call without holding the GIL. When no
   // round is running, the calling thread runs the next one itself instead of waking the engine
   // thread (so a synchronous collective costs no thread hand-off).
@@ -166,6 +173,8 @@ class Engine {
   bool stop_ = false, stopped_ = false, shutdown_requested_ = false;
   bool driving_ = false;  // a thread (engine or waiter) is running a round: only one at a time
   bool engine_sleeping_ = false;  // the engine thread waits for work
+  size_t held_ = 0;  // the last held_ requests of queue_ were submitted with `hold` and not released yet
+  std::chrono::steady_clock::time_point held_since_;  // the latest held submit
   bool yield_on_wake_ = getenv("FASTXFER_YIELD") == nullptr || getenv("FASTXFER_YIELD")[0] != '0';
   ErrorKind fatal_ = ErrorKind::kNone;
   std::string fatal_msg_;

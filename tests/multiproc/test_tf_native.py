@@ -108,6 +108,10 @@ def test_forwarded_buffers_are_never_read_after_the_reduction():
     assert_ok(launch(2, W, "forwarding", env=ENV, timeout=600), 2, "forwarding")
 
 
+def test_grouped_submits_hold_to_one_round_per_bucket():
+    assert_ok(launch(2, W, "hold", env=ENV, timeout=600), 2, "hold")
+
+
 def test_timeline_is_chrome_trace_with_every_gradient_of_every_step(tmp_path):
     path = tmp_path / "tl.json"
     lines = assert_ok(launch(2, W, "timeline", env={**ENV, "FASTXFER_TIMELINE": str(path)}, timeout=600), 2,

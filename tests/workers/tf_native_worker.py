@@ -187,6 +187,59 @@ def forwarding():
     print(f"OK forwarding rank {r} {after}", flush=True)
 
 
+def hold():
+    """Grouped submits hold until the last of their bucket: a Keras step of ten gradients is one
+    negotiation round on every rank, its results are the same as with a round per tensor
+    (FASTXFER_TF_HOLD=0, read when the step is traced), the bucket cap splits a group, and a held
+    submit whose group never ends still runs (the engine's hold time)."""
+    import keras
+
+    import fastxfer as fx
+    import fastxfer.keras as khvd
+    from fastxfer.tensorflow import ops
+
+    r = hvd.rank()
+    assert native.library() is not None, native.reason()
+    x = np.random.default_rng(3 + r).random((8 * 8, 16), dtype=np.float32)
+    y = np.random.default_rng(5 + r).random((8 * 8, 16), dtype=np.float32)
+
+    def fit(hold_env):
+        os.environ["FASTXFER_TF_HOLD"] = hold_env
+        keras.utils.set_random_seed(11)
+        model = keras.Sequential([keras.Input((16,))] + [keras.layers.Dense(16) for _ in range(5)])
+        model.compile(optimizer=khvd.DistributedOptimizer(keras.optimizers.SGD(0.01, momentum=0.9)), loss="mse")
+        model.fit(x[:8], y[:8], batch_size=8, epochs=1, verbose=0, shuffle=False)  # traces
+        before = fx.engine_stats()["rounds"]
+        model.fit(x[8:], y[8:], batch_size=8, epochs=1, verbose=0, shuffle=False)  # 7 steps
+        return fx.engine_stats()["rounds"] - before, [v.numpy() for v in model.trainable_variables]
+
+    rounds, held_weights = fit("1")
+    assert rounds == 7, f"rank {r}: {rounds} negotiation rounds for 7 steps of 10 gradients held to one bucket"
+    _, plain_weights = fit("0")
+    os.environ.pop("FASTXFER_TF_HOLD")
+    for a, b in zip(held_weights, plain_weights):
+        assert a.tobytes() == b.tobytes(), "holding the submits changed the result"
+
+    ts = [tf.constant(np.full(256, k + r, np.float32)) for k in range(6)]  # 1 KiB each
+    settings = [fx.comm.collectives.allreduce_settings(np.float32, "sum", c, 1.0, 1.0, cap)
+                for c, cap in [("none", 2 / 1024)] * 6]
+    assert ops.held(ts, range(6), settings) == {0, 2, 4}  # buckets of 2 KiB: the second of each pair releases
+    assert ops.held(ts, [5, 4, 3, 2, 1, 0], settings) == {5, 3, 1}
+    assert ops.held(ts, range(6), [(o, "bf16", p, q, 0) for o, _, p, q, _ in settings]) == {0, 1, 2, 3, 4}
+    big = [tf.zeros(ops.HOLD_BYTES // 4 // 2 + 1)] * 5  # float32: each a little over half the hold limit
+    got_held = ops.held(big, range(5), [settings[0][:4] + (4 << 20,)] * 5)  # a bucket cap above the limit
+    assert got_held == {0, 2}, got_held  # runs end at HOLD_BYTES
+    got = hvd.grouped_allreduce(ts, op="sum", bucket_cap_mb=2 / 1024)
+    for k, g in enumerate(got):
+        assert np.array_equal(g.numpy(), np.full(256, 2 * k + 1, np.float32)), k
+
+    t = tf.constant(np.arange(100, dtype=np.float32) + r)
+    out, h = native.submit(t, "allreduce", "hold.orphan", "sum", hold=True)  # no submit ever releases it
+    got = native.wait(out, h).numpy()
+    assert np.array_equal(got, 2 * np.arange(100, dtype=np.float32) + 1), got[:4]
+    print(f"OK hold rank {r}", flush=True)
+
+
 def timeline():
     """Keras 3 fit with FASTXFER_TIMELINE set (by the test): every gradient reaches the file."""
     import keras
@@ -215,5 +268,7 @@ if __name__ == "__main__":
         forwarding()
     elif what == "timeline":
         timeline()
+    elif what == "hold":
+        hold()
     else:
         raise SystemExit(f"unknown test {what!r}")

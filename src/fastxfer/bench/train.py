@@ -16,8 +16,9 @@ worker; 1 worker vs 2 workers, side by side in one run:
   though each worker has one core and no spare one for the engine; the default, auto, does not
   pin then);
 - ``fixed cost``: a model of ten small tensors (five Dense(16) layers), 2 workers without
-  communication against fastxfer: what a step pays for communication when there is almost
-  nothing to send;
+  communication against fastxfer, in alternating blocks of 25 steps of one job: what a step pays
+  for communication when there is almost nothing to send; again with ``FASTXFER_TF_HOLD=0`` (a
+  negotiation round per tensor instead of one per bucket), and through the numpy_function bridge;
 - ``MWMS``: tf.distribute.MultiWorkerMirroredStrategy with tf-keras (Keras 3's fails inside
   model.fit, keras-team/keras#20585), 2 worker processes over gRPC on localhost;
 - ``Horovod``: where ``horovod.tensorflow.keras`` imports (it does not build against TF 2.21).
@@ -53,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fixed-steps", type=int, default=300, help="timed steps of the fixed-cost rows (default 300)")
     p.add_argument("--rows", metavar="KEYS",
                    help="run only these rows, comma-separated (alone, alone-interop, wide, wide-local, nocomm, none, "
-                        "bf16, bf16-bridge, bf16-pin, fixed-nocomm, fixed-none, fixed-bridge, mwms, horovod); "
+                        "bf16, bf16-bridge, bf16-pin, fixed-nocomm, fixed-none, fixed-nohold, fixed-nohold-nocomm, "
+                        "fixed-bridge, mwms, horovod); "
                         "'alone' always runs: every ratio is taken against it (default: all)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON ('-' for stdout)")
 
@@ -67,13 +69,15 @@ def _worker(args, kind: str, out: str, *extra: str, batch: int | None = None, mo
 
 
 def _run_fastxfer(args, tmp: str, kind: str, np_: int, batch: int | None = None, bind: bool = True,
-                  model: str | None = None, steps: int | None = None, env_extra: dict | None = None) -> list[list[float]]:
-    out = os.path.join(tmp, f"fastxfer-{kind}-{batch}-{model}")
+                  model: str | None = None, steps: int | None = None, env_extra: dict | None = None,
+                  key: str | None = "times") -> list:
+    """Per rank, the worker's step times (`key`), or its whole result (key None)."""
+    out = os.path.join(tmp, f"fastxfer-{kind}-{batch}-{model}-{len(os.listdir(tmp))}")
     cmd = launcher_command(np_, *(["--bind", "socket"] if bind else [])) + _worker(
         args, f"fastxfer:{kind}", out, batch=batch, model=model, steps=steps)
     env = dict(os.environ, **({"FASTXFER_TF_PIN": "1"} if kind.endswith("-pin") else {}), **(env_extra or {}))
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, cwd=tempfile.gettempdir(), env=env)
-    res = [p["times"] for p in read_results(out, np_)]
+    res = [p[key] if key else p for p in read_results(out, np_)]
     if r.returncode != 0 or len(res) != np_:
         raise RuntimeError(f"fastxfer {kind} run failed (exit {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
     return res
@@ -140,12 +144,28 @@ def _main(args: argparse.Namespace, tmp: str) -> int:
             ("bf16-bridge", "fastxfer bf16, numpy_function bridge",
              lambda: _run_fastxfer(args, tmp, "bf16", 2, env_extra={"FASTXFER_TF_NATIVE": "0"}), 2),
             ("bf16-pin", "fastxfer bf16, submits pinned", lambda: _run_fastxfer(args, tmp, "bf16-pin", 2), 2)]
-    fixed = [("fixed-nocomm", "fixed cost: no-comm, 10 small tensors", "nocomm", {}),
-             ("fixed-none", "fixed cost: fastxfer none, 10 small tensors", "none", {}),
-             ("fixed-bridge", "fixed cost: fastxfer none, numpy_function bridge", "none", {"FASTXFER_TF_NATIVE": "0"})]
-    for key, name, kind, env in fixed:
-        plan.append((key, name, lambda kind=kind, env=env: _run_fastxfer(args, tmp, kind, 2, model="tiny",
-                                                                         steps=args.fixed_steps, env_extra=env), 2))
+    # The fixed cost: no-comm and fastxfer in alternating blocks of one job (train_worker's
+    # fixed-ab): separate jobs a minute apart drifted by more than the difference measured.
+    ab: dict = {}
+
+    def fixed_ab(side: str, env: dict) -> list[list[float]]:
+        k = tuple(sorted(env.items()))
+        if k not in ab:
+            ab[k] = _run_fastxfer(args, tmp, "fixed-ab", 2, model="tiny", steps=args.fixed_steps, env_extra=env,
+                                  key=None)
+        return [r["times" if side == "none" else "times_nocomm"] for r in ab[k]]
+
+    fixed = [("fixed-nocomm", "fixed cost: no-comm, 10 small tensors", lambda: fixed_ab("nocomm", {})),
+             ("fixed-none", "fixed cost: fastxfer none, 10 small tensors", lambda: fixed_ab("none", {})),
+             ("fixed-nohold", "fixed cost: fastxfer none, a round per tensor (FASTXFER_TF_HOLD=0)",
+              lambda: fixed_ab("none", {"FASTXFER_TF_HOLD": "0"})),
+             ("fixed-nohold-nocomm", "fixed cost: no-comm, beside the FASTXFER_TF_HOLD=0 run",
+              lambda: fixed_ab("nocomm", {"FASTXFER_TF_HOLD": "0"})),
+             ("fixed-bridge", "fixed cost: fastxfer none, numpy_function bridge (a job of its own)",
+              lambda: _run_fastxfer(args, tmp, "none", 2, model="tiny", steps=args.fixed_steps,
+                                    env_extra={"FASTXFER_TF_NATIVE": "0"}))]
+    for key, name, fn in fixed:
+        plan.append((key, name, fn, 2))
     if not args.no_peers:
         if importlib.util.find_spec("tf_keras") is not None:
             plan.append(("mwms", "MWMS (tf-keras)", lambda: _run_mwms(args, tmp), 2))
@@ -238,6 +258,11 @@ def _main(args: argparse.Namespace, tmp: str) -> int:
     if fx_fixed and nc_fixed:
         us = (fx_fixed[1] - nc_fixed[1]) * 1e3
         targets.append(target("fixed per-step cost of 10 small tensors (us over no-comm)", us, 300, us <= 300))
+    nohold = by.get("fixed cost: fastxfer none, a round per tensor (FASTXFER_TF_HOLD=0)")
+    nohold_nc = by.get("fixed cost: no-comm, beside the FASTXFER_TF_HOLD=0 run")
+    if nohold and nohold_nc:
+        notes.append(f"a negotiation round per tensor (FASTXFER_TF_HOLD=0) costs "
+                     f"{(nohold[1] - nohold_nc[1]) * 1e3:.0f} us/step over no-comm")
     if args.timeline:
         notes.append(f"timeline of the fastxfer bf16 run: {args.timeline} (rank 0; other ranks beside it)")
     print_targets(targets)

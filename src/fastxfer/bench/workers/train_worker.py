@@ -3,7 +3,8 @@ one intra-op thread and writes the per-step times of the timed steps to ``OUT.<r
 
 ``--kind fastxfer:<run>`` (under ``fastxfer run``; run = alone, alone-interop, wide (TensorFlow's
 default threads, unbound), nocomm, none, bf16, fp16 or bf16-pin; ``--model tiny``: five Dense(16)
-layers on 16 features, the fixed-cost model), ``--kind mwms --rank R`` (tf.distribute.MultiWorkerMirroredStrategy with
+layers on 16 features, the fixed-cost model; fixed-ab: that model with and without communication in
+alternating blocks of one job), ``--kind mwms --rank R`` (tf.distribute.MultiWorkerMirroredStrategy with
 tf-keras, TF_CONFIG set by the driver) or ``--kind horovod`` (under horovodrun), e.g.
 ``python -m fastxfer.bench.workers.train_worker --kind fastxfer:bf16 --steps 20 --out /tmp/t``.
 """
@@ -60,12 +61,55 @@ def timed_fit(keras_mod, model, x, y, args) -> list[float]:
     return times
 
 
+def tiny_model(keras_mod):
+    return keras_mod.Sequential([keras_mod.Input((16,))] + [keras_mod.layers.Dense(16) for _ in range(5)])
+
+
+def run_fixed_ab(args, hvd) -> None:
+    """The fixed per-step cost, both sides in one job: the tiny model with a plain optimizer and
+    the same model with fastxfer's (no compression), trained in alternating blocks of ``BLOCK``
+    steps, so that both see the same minutes of this machine's drift (separate jobs a minute
+    apart differed by more than the cost measured). The first step of each block is left out (the
+    fit's start, and the ranks meeting again after a block without communication)."""
+    import keras
+
+    threads_one(1)
+    models = {}
+    for kind in ("nocomm", "none"):
+        opt = keras.optimizers.SGD(0.01, momentum=0.9)
+        models[kind] = tiny_model(keras)
+        models[kind].compile(optimizer=opt if kind == "nocomm" else hvd.DistributedOptimizer(opt), loss="mse")
+    hvd.broadcast_variables(models["none"].variables, root_rank=0)
+    x, y = data(argparse.Namespace(model="tiny", batch=args.batch, steps=max(args.steps, BLOCK), warmup=args.warmup),
+                hvd.rank())
+    n = BLOCK * args.batch
+    for m in models.values():
+        m.fit(x[:args.warmup * args.batch], y[:args.warmup * args.batch], batch_size=args.batch, epochs=1,
+              verbose=0, shuffle=False)
+    times = {kind: [] for kind in models}
+    for b in range(-(-args.steps // (BLOCK - 1))):
+        for kind in (("nocomm", "none") if b % 2 == 0 else ("none", "nocomm")):
+            t: list[float] = []
+            models[kind].fit(x[:n], y[:n], batch_size=args.batch, epochs=1, verbose=0, shuffle=False,
+                             callbacks=[step_clock(keras, t)])
+            times[kind].extend(t[1:])
+    write_result(args.out, hvd.rank(), {"rank": hvd.rank(), "times": times["none"],
+                                        "times_nocomm": times["nocomm"]})
+
+
+BLOCK = 26  # steps per block of run_fixed_ab (25 timed)
+
+
 def run_fastxfer(args) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import fastxfer.keras as hvd
 
     hvd.init()
     kind = args.kind.split(":", 1)[1]
+    if kind == "fixed-ab":
+        run_fixed_ab(args, hvd)
+        hvd.shutdown()
+        return
     if kind.endswith("-pin"):
         kind = kind[:-len("-pin")]  # FASTXFER_TF_PIN=1 came in the environment
     if kind != "wide":
@@ -73,7 +117,7 @@ def run_fastxfer(args) -> None:
     import keras
 
     if args.model == "tiny":
-        model = keras.Sequential([keras.Input((16,))] + [keras.layers.Dense(16) for _ in range(5)])
+        model = tiny_model(keras)
         loss = "mse"
     else:
         model = getattr(keras.applications, args.model)(weights=None, input_shape=(args.image_size,) * 2 + (3,),
