@@ -122,7 +122,7 @@ void bind_engine(py::module_& m) {
                        size_t bucket_cap_bytes, int max_records, size_t stream_min_bytes, py::object inter_host,
                        const std::string& timeline_path, int timeline_rank, double spin_us,
                        double stall_warning_s, const std::string& report_dir, std::vector<int> segment_ranks,
-                       std::vector<int> job_ranks) {
+                       std::vector<int> job_ranks, size_t net_chunk_bytes) {
              JobConfig job;
              job.shm.name = name;
              job.shm.rank = rank;
@@ -139,6 +139,7 @@ void bind_engine(py::module_& m) {
              job.engine.rank_names = std::move(job_ranks);
              job.threads = threads;
              job.stream_min_bytes = stream_min_bytes;
+             job.net_chunk_bytes = net_chunk_bytes;
              job.engine.bucket_cap_bytes = bucket_cap_bytes;
              job.engine.max_records = max_records;
              job.engine.cpus = std::move(cpus);
@@ -154,7 +155,8 @@ void bind_engine(py::module_& m) {
            py::arg("bucket_cap_bytes"), py::arg("max_records"), py::arg("stream_min_bytes"),
            py::arg("inter_host") = py::none(), py::arg("timeline_path") = "", py::arg("timeline_rank") = 0,
            py::arg("spin_us") = 50.0, py::arg("stall_warning_s") = 60.0, py::arg("report_dir") = "",
-           py::arg("segment_ranks") = std::vector<int>{}, py::arg("job_ranks") = std::vector<int>{})
+           py::arg("segment_ranks") = std::vector<int>{}, py::arg("job_ranks") = std::vector<int>{},
+           py::arg("net_chunk_bytes") = static_cast<size_t>(1u << 20))
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("size", &Engine::size)
       .def_property_readonly("oob_capacity", &Engine::oob_capacity)

@@ -3,6 +3,7 @@
 #include "collectives/hierarchical.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 
 #include "kernels/reduce.h"
@@ -39,8 +40,75 @@ uint64_t digest(const std::vector<Record>& recs, size_t m) {
 
 }  // namespace
 
-HierarchicalCollectives::HierarchicalCollectives(std::unique_ptr<ShmCollectives> local, std::shared_ptr<InterHost> inter)
-    : local_(std::move(local)), inter_(std::move(inter)) {}
+NetLane::NetLane() : s_(std::make_shared<State>()) {
+  std::shared_ptr<State> s = s_;  // the thread keeps the state alive if it must be detached
+  thread_ = std::thread([s] {
+    std::unique_lock<std::mutex> lk(s->mu);
+    for (;;) {
+      s->cv.wait(lk, [&] { return s->stop || !s->todo.empty(); });
+      if (s->todo.empty()) return;  // stopped, nothing left
+      std::function<void()> job = std::move(s->todo.front());
+      s->todo.pop_front();
+      s->busy = true;
+      lk.unlock();
+      std::exception_ptr err;
+      try {
+        job();
+      } catch (...) {
+        err = std::current_exception();
+      }
+      lk.lock();
+      s->busy = false;
+      s->done.push_back(err);
+      s->cv.notify_all();
+    }
+  });
+}
+
+NetLane::~NetLane() {
+  bool idle;
+  {
+    std::lock_guard<std::mutex> lk(s_->mu);
+    s_->stop = true;
+    s_->todo.clear();  // not started: never will be
+    idle = !s_->busy;
+  }
+  s_->cv.notify_all();
+  // A job still running (a step that failed half-way, its network call stuck on a lost host)
+  // may need the interpreter lock the destroying thread may hold: leave it to finish alone.
+  if (idle) {
+    thread_.join();
+  } else {
+    thread_.detach();
+  }
+}
+
+void NetLane::post(std::function<void()> job) {
+  {
+    std::lock_guard<std::mutex> lk(s_->mu);
+    s_->todo.push_back(std::move(job));
+  }
+  s_->cv.notify_all();
+}
+
+void NetLane::wait() {
+  std::unique_lock<std::mutex> lk(s_->mu);
+  s_->cv.wait(lk, [&] { return !s_->done.empty(); });
+  std::exception_ptr err = s_->done.front();
+  s_->done.pop_front();
+  if (err) std::rethrow_exception(err);
+}
+
+bool NetLane::wait_for(double seconds) {
+  std::unique_lock<std::mutex> lk(s_->mu);
+  if (!s_->cv.wait_for(lk, std::chrono::duration<double>(seconds), [&] { return !s_->done.empty(); })) return false;
+  s_->done.pop_front();  // its error, if any, is dropped
+  return true;
+}
+
+HierarchicalCollectives::HierarchicalCollectives(std::unique_ptr<ShmCollectives> local, std::shared_ptr<InterHost> inter,
+                                                 size_t net_chunk_bytes)
+    : local_(std::move(local)), inter_(std::move(inter)), net_chunk_bytes_(net_chunk_bytes) {}
 
 std::vector<std::vector<Record>> HierarchicalCollectives::exchange_records(const std::vector<Record>& mine) {
   auto gather_all = [&](const std::vector<Record>& recs) {
@@ -96,13 +164,42 @@ std::vector<std::vector<Record>> HierarchicalCollectives::exchange_records(const
 
 void HierarchicalCollectives::allreduce(const AllreduceJob& job) {
   // Reduce each shard within the host (unscaled), across hosts, then scale once.
-  local_->allreduce_with_hook(job, [&](char* shard, size_t n, DType wire) {
-    inter_->allreduce_shard(shard, n, wire, job.op);
-    if (job.postscale != 1.0) {
+  // (the lane's copy holds the link: a job left running when this object goes keeps it alive)
+  auto across = [inter = inter_, op = job.op, scale = job.postscale](char* shard, size_t n, DType wire) {
+    inter->allreduce_shard(shard, n, wire, op);
+    if (scale != 1.0) {
       const void* src = shard;
-      reduce_block(job.op, wire, &src, 1, shard, n, job.postscale);
+      reduce_block(op, wire, &src, 1, shard, n, scale);
     }
-  });
+  };
+  if (net_chunk_bytes_ == 0) {
+    local_->allreduce_with_hook(job, across);
+    return;
+  }
+  if (!lane_) lane_ = std::make_unique<NetLane>();
+  // Every job posted is waited for, also when the shared-memory stages throw half-way: the
+  // shard it writes lives in this rank's window.
+  size_t in_flight = 0;
+  ShardPipeline pipe;
+  pipe.max_chunk_bytes = net_chunk_bytes_;
+  pipe.start = [&](char* shard, size_t n, DType wire) {
+    lane_->post([across, shard, n, wire] { across(shard, n, wire); });
+    ++in_flight;
+  };
+  pipe.finish = [&] {
+    --in_flight;
+    lane_->wait();
+  };
+  try {
+    local_->allreduce_pipelined(job, pipe);
+  } catch (...) {
+    // The group is failing. Give the shard still on the network a few seconds to end (its peers
+    // fail the same way); its own error is a consequence, not the cause. One stuck on a lost
+    // host is left running: the engine is going down, and a hang here would hide the error.
+    for (; in_flight > 0; --in_flight)
+      if (!lane_->wait_for(5.0)) break;
+    throw;
+  }
 }
 
 void HierarchicalCollectives::broadcast(const void* in, void* out, size_t nbytes, int root) {

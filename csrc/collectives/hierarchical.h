@@ -2,16 +2,50 @@
 // hosts. Each local rank owns one shard of every chunk and reduces it across hosts with its
 // counterparts (the ranks with the same local rank), so all local ranks use the network at once.
 #pragma once
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <functional>
 #include <memory>
+#include <mutex>
+#include <thread>
 
 #include "collectives/shm_collectives.h"
 #include "transport/inter_host.h"
 
 namespace fastxfer {
 
+// A thread of its own for the cross-host stage, so that it overlaps the shared-memory stages
+// (shm_allreduce_pipelined): jobs run one at a time, in order; wait() waits for the oldest and
+// rethrows what it threw.
+class NetLane {
+ public:
+  NetLane();
+  ~NetLane();
+  void post(std::function<void()> job);
+  void wait();
+  // As wait(), but drops the job's error; false (and the job left running) after `seconds`.
+  bool wait_for(double seconds);
+
+ private:
+  struct State {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<std::function<void()>> todo;
+    std::deque<std::exception_ptr> done;  // one per finished job (null: it succeeded)
+    bool stop = false, busy = false;
+  };
+  std::shared_ptr<State> s_;
+  std::thread thread_;
+};
+
 class HierarchicalCollectives : public Collectives {
  public:
-  HierarchicalCollectives(std::unique_ptr<ShmCollectives> local, std::shared_ptr<InterHost> inter);
+  // `net_chunk_bytes`: chunks of the allreduce hold at most this many bytes on the wire, so the
+  // cross-host stage of one overlaps the shared-memory stages of the next (0: no overlap, one
+  // cross-host call per half window, on the engine thread).
+  HierarchicalCollectives(std::unique_ptr<ShmCollectives> local, std::shared_ptr<InterHost> inter,
+                          size_t net_chunk_bytes = 1u << 20);
 
   int rank() const override { return inter_->rank(); }
   int size() const override { return inter_->size(); }
@@ -34,6 +68,8 @@ class HierarchicalCollectives : public Collectives {
  private:
   std::unique_ptr<ShmCollectives> local_;
   std::shared_ptr<InterHost> inter_;
+  size_t net_chunk_bytes_;
+  std::unique_ptr<NetLane> lane_;  // started by the first pipelined allreduce
 };
 
 }  // namespace fastxfer

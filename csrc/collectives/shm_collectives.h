@@ -21,6 +21,9 @@ class ShmCollectives : public Collectives {
   void allreduce(const AllreduceJob& job) override { shm_allreduce(ctx_, job, nullptr); }
   // The hierarchical allreduce's local legs (see ShardHook).
   void allreduce_with_hook(const AllreduceJob& job, const ShardHook& between) { shm_allreduce(ctx_, job, between); }
+  void allreduce_pipelined(const AllreduceJob& job, const ShardPipeline& pipe) {
+    shm_allreduce_pipelined(ctx_, job, pipe);
+  }
   void broadcast(const void* in, void* out, size_t nbytes, int root) override {
     shm_broadcast(ctx_, in, out, nbytes, root);
   }

@@ -56,6 +56,17 @@ std::vector<std::vector<Record>> shm_exchange_records(ShmContext& c, const std::
 using ShardHook = std::function<void(char* shard, size_t n, DType wire)>;
 // Reduce-scatter then allgather through the window, chunk by chunk (shm_allreduce.cc).
 void shm_allreduce(ShmContext& c, const AllreduceJob& job, const ShardHook& between);
+// The same with the cross-host stage overlapped: `start(shard, n, wire)` hands a chunk's reduced
+// shard to the network and returns at once; `finish()` waits for the oldest shard started and
+// not yet finished (and scales it: postscale is its job). At most one is in flight: chunk k's
+// shard travels while this rank copies chunk k-1 out and packs and reduces chunk k+1. Chunks
+// hold at most `max_chunk_bytes` on the wire (0: half a window), so the pipeline fills early.
+struct ShardPipeline {
+  std::function<void(char* shard, size_t n, DType wire)> start;
+  std::function<void()> finish;
+  size_t max_chunk_bytes = 0;
+};
+void shm_allreduce_pipelined(ShmContext& c, const AllreduceJob& job, const ShardPipeline& pipe);
 void shm_broadcast(ShmContext& c, const void* in, void* out, size_t nbytes, int root);     // shm_broadcast.cc
 void shm_allgather(ShmContext& c, const void* in, void* out, const std::vector<size_t>& bytes);  // shm_allgather.cc
 // Each chunk, every rank stages one slot per destination in its half; the others copy theirs out (shm_alltoall.cc).

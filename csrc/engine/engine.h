@@ -188,6 +188,8 @@ struct JobConfig {
   ShmConfig shm;                       // this host's segment
   int threads = 1;                     // pack/unpack threads inside one chunk
   size_t stream_min_bytes = 4u << 20;  // buckets with outputs this large use streaming stores
+  size_t net_chunk_bytes = 1u << 20;   // several hosts: allreduce chunks overlapped with the network
+                                       // hold at most this on the wire (0: no overlap)
   EngineConfig engine;
 };
 

@@ -50,10 +50,12 @@ def _sizes(b: int, e: int, f: int) -> list[int]:
 
 
 def _launch(impl: str, np_: int, sizes: list[int], scale: float, tmp: str,
-            collectives: tuple[str, ...] = COLLECTIVES, bind: str = "none") -> tuple[list[dict], str | None]:
-    out = os.path.join(tmp, impl)
+            collectives: tuple[str, ...] = COLLECTIVES, bind: str = "none",
+            extra: tuple[str, ...] = ()) -> tuple[list[dict], str | None]:
+    out = os.path.join(tmp, f"{impl}-{np_}")
     worker = worker_command("allreduce_worker", "--impl", impl, "--sizes", ",".join(map(str, sizes)),
-                            "--iters-scale", str(scale), "--out", out, "--collectives", ",".join(collectives))
+                            "--iters-scale", str(scale), "--out", out, "--collectives", ",".join(collectives),
+                            *extra)
     env = dict(os.environ)
     if impl == "mpi4py":
         mpirun = shutil.which("mpirun")
@@ -341,12 +343,50 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bind", choices=["none", "socket", "numa"], default="none",
                    help="start the fastxfer ranks with `fastxfer run --bind` (DeepSpeed's ranks are always pinned "
                         "one per core, its best setting; --bind numa gives fastxfer the same); default none")
+    p.add_argument("--hosts", metavar="HxK[,HxK...]",
+                   help="across simulated hosts instead (root): H hosts of K ranks each, e.g. 2x2 or 2x1,2x2,3x1; "
+                        "fastxfer vs mpi4py Allreduce, bytes on the links, and the cost model checked "
+                        "(fastxfer.bench.hosts; sizes default 1M..64M)")
+    p.add_argument("--rates", default="none",
+                   help="with --hosts: link rates to run at, tc token-bucket syntax, e.g. none,2gbit,500mbit")
     p.add_argument("--json", metavar="PATH", help="write results as JSON (- for stdout)")
     p.add_argument("--plot", metavar="PNG", help="busbw vs size, and the cost model")
     p.add_argument("--markdown", action="store_true", help="also print markdown tables (for bench/RESULTS.md)")
 
 
+def _main_hosts(args: argparse.Namespace) -> int:
+    from fastxfer.bench import hosts
+
+    try:
+        configs = hosts.parse_configs(args.hosts)
+        rates = [r.strip() for r in args.rates.split(",") if r.strip()] or ["none"]
+        for r in rates:
+            hosts.parse_rate(r)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    lo = _parse_size(args.minbytes) if args.minbytes != "1K" else 1 << 20
+    sizes = _sizes(lo, _parse_size(args.maxbytes), args.stepfactor)
+    peers = tuple(p.strip() for p in args.peers.split(",") if p.strip() in ("fastxfer", "mpi4py"))
+    res = hosts.run(configs, rates, sizes, args.iters_scale, peers or ("fastxfer", "mpi4py"))
+    if args.json:
+        write_json(args.json, res)
+    if args.json != "-":
+        hosts.report(res, args.markdown)
+    if args.plot:
+        hosts.plot(res, args.plot)
+    if "hosts" in res["skipped"]:
+        print(f"fastxfer bench allreduce --hosts: {res['skipped']['hosts']}", file=sys.stderr)
+        return 2
+    wrong = sum(r["wrong"] for r in res["rows"])
+    if wrong or not any(r["impl"].startswith("fastxfer") for r in res["rows"]):
+        print(f"fastxfer: {wrong} wrong elements" if wrong else "fastxfer did not run", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "hosts", None):
+        return _main_hosts(args)
     if args.np < 1 or args.stepfactor < 2:
         raise SystemExit("-np must be >= 1 and -f >= 2")
     bad = [c for c in args.collectives.split(",") if c.strip() and c.strip() not in COLLECTIVES]

@@ -92,36 +92,53 @@ class MPIInterHost:
             comm.Allreduce(MPI.IN_PLACE, [buf.view(np.uint16), MPI.UINT16_T], op=self._op16(dtype, op))
 
     # -- InterHost ----------------------------------------------------------------------------------
+    # Across 3 or more hosts, sums of shards this large go through _sum_scattered: Open MPI's own
+    # allreduce picks algorithms that move more (1.9x the bandwidth optimum measured on 3 hosts for
+    # float32); smaller ones keep MPI's latency-bound algorithms.
+    SCATTER_MIN_BYTES = 64 << 10
+
     def allreduce_shard(self, buf: np.ndarray, dtype: str, op: str) -> None:
-        if dtype in ("bfloat16", "float16") and op in ("sum", "average") and self.cross.Get_size() > 2:
-            self._sum16_once(buf, dtype)
+        hosts = self.cross.Get_size()
+        sixteen = dtype in ("bfloat16", "float16")
+        big = sixteen or buf.nbytes >= self.SCATTER_MIN_BYTES
+        if hosts > 2 and op in ("sum", "average") and dtype != "bool" and big:
+            self._sum_scattered(buf, dtype)
         else:
             self._reduce(self.cross, buf, dtype, op)
 
-    def _sum16_once(self, buf: np.ndarray, dtype: str) -> None:
-        """A 16-bit sum across 3 or more hosts, rounded once: MPI's reduction tree would round each
-        partial sum, so the error would grow with the number of hosts. Each host sends the j-th
-        piece of its shard (still 16-bit on the wire) to host j, which adds the pieces in float32,
-        in host order, and rounds once; an allgather returns every piece to every host. The same
-        bytes move as in a ring allreduce (docs/algorithms.md, "Across hosts")."""
+    def _sum_scattered(self, buf: np.ndarray, dtype: str) -> None:
+        """A sum across 3 or more hosts as a reduce-scatter and an allgather: each host sends the
+        j-th piece of its shard to host j (``Alltoallv``), host j adds the pieces in host order and
+        an ``Allgatherv`` returns every piece to every host. Each host sends ``2(h-1)/h`` of the
+        shard, the ring's optimum, and every host gets the same bits. 16-bit floats travel as they
+        are and are added in float32 and rounded once, so the error does not grow with the number
+        of hosts (MPI's reduction tree would round every partial sum); integers wrap, as fastxfer's
+        sums do everywhere (docs/algorithms.md, "Across hosts")."""
         MPI = self._MPI
         comm = self.cross
         hosts, me = comm.Get_size(), comm.Get_rank()
-        x = buf.view(np.uint16)
-        n = x.size
-        counts = [n // hosts + (1 if j < n % hosts else 0) for j in range(hosts)]
-        displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
-        k = counts[me]
-        recv = np.empty(hosts * k, np.uint16)
-        comm.Alltoallv([x, (counts, displs), MPI.UINT16_T], [recv, ([k] * hosts, [k * j for j in range(hosts)]),
-                                                               MPI.UINT16_T])
         wire = check.DTYPES[dtype]
+        es = np.dtype(wire).itemsize
+        n = buf.nbytes // es
+        counts = [n // hosts + (1 if j < n % hosts else 0) for j in range(hosts)]
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
+        k = counts[me]
+        b = [c * es for c in counts]
+        d = [s * es for s in starts]
+        recv = np.empty(hosts * k * es, np.uint8)
+        x = buf.view(np.uint8)
+        comm.Alltoallv([x, (b, d), MPI.BYTE], [recv, ([k * es] * hosts, [k * es * j for j in range(hosts)]), MPI.BYTE])
         pieces = recv.view(wire).reshape(hosts, k)
-        acc = pieces[0].astype(np.float32)
-        for j in range(1, hosts):
-            acc += pieces[j].astype(np.float32)
-        mine = np.ascontiguousarray(acc.astype(wire)).view(np.uint16)
-        comm.Allgatherv([mine, MPI.UINT16_T], [x, (counts, displs), MPI.UINT16_T])
+        if dtype in ("bfloat16", "float16"):
+            acc = pieces[0].astype(np.float32)
+            for j in range(1, hosts):
+                acc += pieces[j].astype(np.float32)
+            mine = acc.astype(wire)
+        else:
+            mine = pieces[0].copy()
+            for j in range(1, hosts):
+                np.add(mine, pieces[j], out=mine)  # integers wrap modulo 2^bits
+        comm.Allgatherv([np.ascontiguousarray(mine).view(np.uint8), MPI.BYTE], [x, (b, d), MPI.BYTE])
 
     def min_all(self, v: int) -> int:
         return self.world.allreduce(int(v), op=self._MPI.MIN)

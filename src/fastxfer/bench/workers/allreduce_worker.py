@@ -71,14 +71,27 @@ def collective_of(label: str) -> str:
     return next((c for c in WANT if label.endswith(" " + c)), "allreduce")
 
 
-def time_sweep(rank, size, sizes, scale, barrier, ops, dtypes=None) -> list[dict]:
+def host_tx_bytes() -> int:
+    """Bytes this process's network namespace has sent on every interface but loopback: on a
+    simulated host (fastxfer.simhosts), what the host put on its link."""
+    total = 0
+    with open("/proc/self/net/dev") as f:
+        for line in f.readlines()[2:]:
+            name, _, rest = line.partition(":")
+            if name.strip() != "lo":
+                total += int(rest.split()[8])
+    return total
+
+
+def time_sweep(rank, size, sizes, scale, barrier, ops, dtypes=None, wire: bool = False) -> list[dict]:
     """ops: {label: op(x, out)}, run on arrays of dtypes.get(label, float32) of each size in bytes.
     A label ending in " alltoall", " reducescatter" or " allgather" measures that collective (the
     input rounded down to a multiple of size elements, checked against WANT); others allreduce.
     op returns the result (or None: the result is in out), and whatever it returns is dropped before
     the next call, as a training loop drops last step's gradients. Each label runs all its iterations
     at a size before the next label starts (as nccl-tests does: interleaving would let one variant's
-    buffers evict another's)."""
+    buffers evict another's). With `wire`, each row also gets ``wire_bytes``: what this host sent
+    on its links per call (host_tx_bytes over a few more calls between two barriers)."""
     results = []
     for label, op in ops.items():
         dtype = np.dtype((dtypes or {}).get(label, F32))
@@ -102,9 +115,17 @@ def time_sweep(rank, size, sizes, scale, barrier, ops, dtypes=None) -> list[dict
                 t0 = time.perf_counter()
                 op(x, out)
                 times.append(time.perf_counter() - t0)
-            results.append({"impl": label, "bytes": n * dtype.itemsize, "dtype": dtype.name,
-                            "p50": statistics.median(times), "wrong": wrong, "iters": len(times),
-                            "collective": coll})
+            row = {"impl": label, "bytes": n * dtype.itemsize, "dtype": dtype.name, "p50": statistics.median(times),
+                   "wrong": wrong, "iters": len(times), "collective": coll}
+            if wire:
+                calls = 3
+                barrier()
+                before = host_tx_bytes()
+                for _ in range(calls):
+                    op(x, out)
+                barrier()
+                row["wire_bytes"] = (host_tx_bytes() - before) / calls
+            results.append(row)
     return results
 
 
@@ -175,7 +196,12 @@ def _supported(ops: dict, collectives, size: int) -> dict:
     return keep
 
 
-def run(impl: str, sizes: list[int], scale: float, out: str, collectives=COLLECTIVES) -> None:
+def run(impl: str, sizes: list[int], scale: float, out: str, collectives=COLLECTIVES, only: tuple[str, ...] = (),
+        wire: bool = False) -> None:
+    """`only`: the rows (labels) to run, all where empty; `wire`: count each host's link bytes."""
+    def keep(ops: dict) -> dict:
+        return {k: v for k, v in ops.items() if not only or k in only}
+
     if impl == "fastxfer":
         import fastxfer as fx
 
@@ -195,8 +221,8 @@ def run(impl: str, sizes: list[int], scale: float, out: str, collectives=COLLECT
             ops["fastxfer allgather"] = lambda x, o: fx.allgather(x)
         if "allreduce" not in collectives:
             ops = {k: v for k, v in ops.items() if collective_of(k) != "allreduce"}
-        results = time_sweep(rank, size, sizes, scale, fx.barrier, ops,
-                             {"fastxfer bf16 array": BF16, "fastxfer bf16 array fresh": BF16})
+        results = time_sweep(rank, size, sizes, scale, fx.barrier, keep(ops),
+                             {"fastxfer bf16 array": BF16, "fastxfer bf16 array fresh": BF16}, wire)
         stats = fx.engine_stats()
         fx.shutdown()
     elif impl == "gloo":
@@ -222,7 +248,8 @@ def run(impl: str, sizes: list[int], scale: float, out: str, collectives=COLLECT
             dist.all_gather_into_tensor(torch.from_numpy(o), torch.from_numpy(x))
         ops = {"torch gloo": op, "torch gloo alltoall": a2a, "torch gloo reducescatter": rs,
                "torch gloo allgather": ag}
-        results = time_sweep(rank, size, sizes, scale, dist.barrier, _supported(ops, collectives, size))
+        results = time_sweep(rank, size, sizes, scale, dist.barrier, keep(_supported(ops, collectives, size)),
+                             wire=wire)
         dist.destroy_process_group()
         stats = {}
     elif impl == "mpi4py":
@@ -234,7 +261,8 @@ def run(impl: str, sizes: list[int], scale: float, out: str, collectives=COLLECT
                "mpi4py alltoall": lambda x, o: comm.Alltoall(x, o),
                "mpi4py reducescatter": lambda x, o: comm.Reduce_scatter_block(x, o, op=MPI.SUM),
                "mpi4py allgather": lambda x, o: comm.Allgather(x, o)}
-        results = time_sweep(rank, size, sizes, scale, comm.Barrier, _supported(ops, collectives, size))
+        results = time_sweep(rank, size, sizes, scale, comm.Barrier, keep(_supported(ops, collectives, size)),
+                             wire=wire)
         stats = {}
     elif impl == "deepspeed":
         rank, size, results, skip = run_deepspeed(sizes, scale)
@@ -260,9 +288,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--iters-scale", type=float, default=1.0)
     ap.add_argument("--out", required=True, help="results go to OUT.<rank>")
     ap.add_argument("--collectives", default=",".join(COLLECTIVES))
+    ap.add_argument("--only", default="", help="comma-separated row labels to run (default all)")
+    ap.add_argument("--wire", action="store_true", help="count the bytes each host sends on its links")
     a = ap.parse_args(argv)
     run(a.impl, [int(s) for s in a.sizes.split(",")], a.iters_scale, a.out,
-        tuple(c for c in a.collectives.split(",") if c))
+        tuple(c for c in a.collectives.split(",") if c), tuple(o for o in a.only.split(",") if o), a.wire)
 
 
 if __name__ == "__main__":

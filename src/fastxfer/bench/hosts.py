@@ -1,0 +1,363 @@
+"""``fastxfer bench allreduce --hosts 2x2[,3x1,...]``: the allreduce across simulated hosts
+(fastxfer.simhosts: own network, host name and /dev/shm each, joined by veth links over TCP),
+fastxfer side by side with mpi4py ``Allreduce`` (Open MPI with its shared-memory and TCP
+transports) on the same hosts, launched the same way (``fastxfer run --hosts``, which also picks
+Open MPI's yielding mode when the ranks outnumber the cores: both get it).
+
+Rows per configuration (``HxK``: H hosts, K ranks on each) and link rate:
+
+- ``fastxfer none`` / ``fastxfer bf16``: float32 arrays, uncompressed / bf16 on the wire;
+- ``fastxfer none, overlap on`` / ``, overlap off``: the same with the other setting of
+  ``FASTXFER_NET_CHUNK_MB`` than the default here (1: each chunk's network stage on a thread of its
+  own, overlapped with the shared-memory stages of the next; 0: not), so both are measured;
+- ``mpi4py Allreduce``: float32.
+
+Every row also counts what the first host put on its link per call (``wire_bytes``, from the
+namespace's /proc/self/net/dev), to check against docs/algorithms.md's ``2(h-1)/h * S`` per host.
+``--rates none,1gbit`` repeats every configuration with a ``tc`` token bucket on every host's link.
+
+The cost model, checked: one host's sweep with K ranks gives the shared-memory stage ``T_shm,K(S)``;
+the network's alpha and beta are fitted to the first configuration (``T - T_shm`` against the bytes
+per host), then every configuration (and rate) is predicted as
+``T_shm,K(S) + 2(h-1) alpha + 2(h-1)/h * S_wire * beta * max(1, h/cores)`` -- the last factor because
+simulated hosts share this machine's cores and TCP is CPU work; on a rate-limited link the byte
+cost is the larger of that and the link's -- and set beside its measurement.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+import numpy as np
+
+from fastxfer.bench.harness import GB, machine_info, read_results, status, target, worker_command
+
+ROWS_FX = ("fastxfer none", "fastxfer bf16")
+OVERLAP = {"1": "fastxfer none, overlap on", "0": "fastxfer none, overlap off"}
+MPI_ROW = "mpi4py Allreduce"
+
+
+def parse_configs(text: str) -> list[tuple[int, int]]:
+    """"2x2,3x1" -> [(2, 2), (3, 1)]: hosts x ranks per host."""
+    out = []
+    for part in text.split(","):
+        m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", part)
+        if not m or int(m.group(1)) < 2 or int(m.group(2)) < 1:
+            raise ValueError(f"--hosts wants HOSTSxRANKS with at least 2 hosts and 1 rank each (e.g. 2x2,3x1), "
+                             f"not {part.strip()!r}")
+        out.append((int(m.group(1)), int(m.group(2))))
+    return out
+
+
+def parse_rate(text: str) -> float | None:
+    """A tc rate ("500mbit", "2gbit", "none") in bits per second; None for an unlimited link."""
+    t = text.strip().lower()
+    if t in ("none", "", "0"):
+        return None
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmg]?)bit", t)
+    if not m:
+        raise ValueError(f"--rates wants tc rates such as 500mbit or 2gbit (or none), not {text!r}")
+    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
+
+
+def wire_formula(hosts: int, nbytes: float) -> float:
+    """Bytes one host sends per allreduce of `nbytes` on the wire (docs/algorithms.md)."""
+    return 2 * (hosts - 1) / hosts * nbytes
+
+
+def _limit(sim, rate_text: str, bits: float) -> None:
+    # a bucket of 4 ms at the rate (at least 32 KiB): small enough that bursts do not hide the rate
+    burst = max(32 << 10, int(bits / 8 / 250))
+    for i in range(sim.n):
+        r = subprocess.run(sim.command(i, ["tc", "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", rate_text,
+                                           "burst", str(burst), "latency", "200ms"]), capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"tc cannot limit the link here: {r.stderr.strip()}")
+
+
+def _unlimit(sim) -> None:
+    for i in range(sim.n):
+        subprocess.run(sim.command(i, ["tc", "qdisc", "del", "dev", "eth0", "root"]), capture_output=True)
+
+
+def _launch_on(sim, slots: int, impl: str, only: tuple[str, ...], sizes: list[int], scale: float, tmp: str,
+               env_extra: dict | None = None) -> tuple[list[dict], str | None]:
+    out = os.path.join(tmp, f"{impl}-{len(os.listdir(tmp))}")
+    worker = worker_command("allreduce_worker", "--impl", impl, "--sizes", ",".join(map(str, sizes)),
+                            "--iters-scale", str(scale), "--out", out, "--collectives", "allreduce",
+                            "--only", ",".join(only), "--wire")
+    env = dict(os.environ, **(env_extra or {}))
+    env.pop("FASTXFER_HOST_ID", None)
+    r = subprocess.run(sim.fastxfer_run(slots, worker), env=env, capture_output=True, text=True, timeout=3600)
+    np_ = slots * sim.n
+    if r.returncode != 0:
+        tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
+        return [], f"failed (exit {r.returncode}): {' | '.join(tail)}"
+    per_rank = read_results(out, np_)
+    if len(per_rank) != np_:
+        return [], f"only {len(per_rank)} of {np_} ranks wrote results"
+    rows = []
+    for i, row in enumerate(per_rank[0]["results"]):
+        row = dict(row)
+        row["wrong"] = sum(p["results"][i]["wrong"] for p in per_rank)
+        rows.append(row)
+    return rows, None
+
+
+def _one_host_sweeps(slots: set[int], sizes: list[int], scale: float, tmp: str) -> dict[int, list[dict]]:
+    """fastxfer's own sweep on this host with K ranks: the shared-memory stage of the model."""
+    from fastxfer.bench.allreduce import _launch
+
+    out = {}
+    for k in sorted(slots):
+        status(f"one host, {k} rank(s): the shared-memory stage")
+        rows, err = _launch("fastxfer", k, sizes, scale, tmp, ("allreduce",), extra=("--only", ",".join(ROWS_FX)))
+        if err:
+            raise RuntimeError(f"one-host sweep with {k} ranks {err}")
+        out[k] = rows
+    return out
+
+
+def _interp(rows: list[dict], impl: str, nbytes: int) -> float | None:
+    for r in rows:
+        if r["impl"] == impl and r["bytes"] == nbytes:
+            return r["p50"]
+    return None
+
+
+def run(configs: list[tuple[int, int]], rates: list[str], sizes: list[int], scale: float = 1.0,
+        peers: tuple[str, ...] = ("fastxfer", "mpi4py")) -> dict:
+    from fastxfer.comm.group import _net_chunk_bytes
+    from fastxfer.simhosts import SimHosts
+
+    res = {"machine": machine_info(), "configs": configs, "rates": rates, "rows": [], "skipped": {}}
+    why = SimHosts.available()
+    if why:
+        res["skipped"]["hosts"] = why
+        return res
+    with tempfile.TemporaryDirectory(prefix="fastxfer-bench-hosts-") as tmp:
+        shm = _one_host_sweeps({k for _, k in configs}, sizes, scale, tmp)
+        res["one_host"] = {str(k): v for k, v in shm.items()}
+        for hosts, slots in configs:
+            with SimHosts(hosts) as sim:
+                for rate_text in rates:
+                    bits = parse_rate(rate_text)
+                    label = f"{hosts}x{slots}" + (f" @ {rate_text}" if bits else "")
+                    if bits:
+                        try:
+                            _limit(sim, rate_text, bits)
+                        except RuntimeError as e:
+                            res["skipped"][label] = str(e)
+                            status(f"{label}: {e}")
+                            continue
+                    runs = []
+                    if "fastxfer" in peers:
+                        runs.append(("fastxfer", ROWS_FX, {}))
+                        # the overlap setting the default does not pick here (it depends on the cores)
+                        other = "0" if _net_chunk_bytes(slots) else "1"
+                        runs.append(("fastxfer", ("fastxfer none",), {"FASTXFER_NET_CHUNK_MB": other}))
+                    if "mpi4py" in peers:
+                        runs.append(("mpi4py", (MPI_ROW,), {}))
+                    for impl, only, env in runs:
+                        variant = f" ({OVERLAP[env['FASTXFER_NET_CHUNK_MB']].split(', ')[1]})" if env else ""
+                        status(f"{label}: {impl}{variant}, sizes {sizes[0]}..{sizes[-1]} bytes")
+                        got, err = _launch_on(sim, slots, impl, only, sizes, scale, tmp, env)
+                        if err:
+                            res["skipped"][f"{label} {impl}"] = err
+                            status(f"{label} {impl}: {err}")
+                        for r in got:
+                            if env:
+                                r["impl"] = OVERLAP[env["FASTXFER_NET_CHUNK_MB"]]
+                            r.update(hosts=hosts, slots=slots, rate=rate_text if bits else "none", rate_bits=bits,
+                                     algbw=r["bytes"] / r["p50"] / GB)
+                            res["rows"].append(r)
+                    if bits:
+                        _unlimit(sim)
+    res["targets"] = targets(res, sizes)
+    res["model"] = fit_model(res)
+    return res
+
+
+def _row(res, hosts, slots, rate, impl, nbytes):
+    for r in res["rows"]:
+        if (r["hosts"], r["slots"], r["rate"], r["impl"], r["bytes"]) == (hosts, slots, rate, impl, nbytes):
+            return r
+    return None
+
+
+def targets(res: dict, sizes: list[int]) -> list[dict]:
+    out = []
+    big = [s for s in sizes if s >= 16 << 20]
+    for hosts, slots in res["configs"]:
+        for rate in dict.fromkeys(r["rate"] for r in res["rows"]):
+            where = f"{hosts}x{slots}" + ("" if rate == "none" else f" @ {rate}")
+            for impl, need in (("fastxfer none", 2.0), ("fastxfer bf16", 2.0)):
+                pairs = [(s, m["p50"] / f["p50"]) for s in big
+                         if (f := _row(res, hosts, slots, rate, impl, s)) and (m := _row(res, hosts, slots, rate,
+                                                                                         MPI_ROW, s))]
+                if pairs:
+                    s, ratio = min(pairs, key=lambda t: t[1])
+                    out.append(target(f"{where}: {impl} >= {need:g}x mpi4py Allreduce at 16 MiB and above "
+                                      f"(worst: {s >> 20} MiB)", ratio, need, ratio >= need))
+            if big:
+                s = big[-1]
+                f, b, m = (_row(res, hosts, slots, rate, i, s) for i in ("fastxfer none", "fastxfer bf16", MPI_ROW))
+                if f and b and m:
+                    more = (m["p50"] / b["p50"]) / (m["p50"] / f["p50"])
+                    out.append(target(f"{where}: bf16 beats mpi4py by more than float32 does at {s >> 20} MiB "
+                                      f"(bf16 speed-up / float32 speed-up)", more, 1.0, more > 1.0))
+                if f and b and f.get("wire_bytes") and b.get("wire_bytes"):
+                    half = b["wire_bytes"] / f["wire_bytes"]
+                    out.append(target(f"{where}: bf16 wire bytes / float32 wire bytes at {s >> 20} MiB (<= 0.55)",
+                                      half, 0.55, half <= 0.55))
+                if f and f.get("wire_bytes"):
+                    ratio = f["wire_bytes"] / wire_formula(hosts, s)
+                    out.append(target(f"{where}: float32 wire bytes / docs formula 2(h-1)/h*S at {s >> 20} MiB "
+                                      f"(TCP/IP headers: 1.0-1.1)", ratio, 1.1, 1.0 <= ratio <= 1.1))
+    return out
+
+
+def _shm_fit(res: dict, slots: int, impl: str):
+    rows = [r for r in res.get("one_host", {}).get(str(slots), []) if r["impl"] == impl]
+    if len(rows) < 2:
+        return None
+    b, a = np.polyfit([r["bytes"] for r in rows], [r["p50"] for r in rows], 1)
+    return float(a), float(b)
+
+
+def fit_model(res: dict) -> dict:
+    """alpha/beta of the network fitted to the first configuration at the unlimited rate, then
+    every configuration predicted beside its measurement (see the module docstring)."""
+    if not res["rows"] or not res["configs"]:
+        return {}
+    h0, k0 = res["configs"][0]
+    shm0 = _shm_fit(res, k0, "fastxfer none")
+    cal = [r for r in res["rows"] if (r["hosts"], r["slots"], r["rate"], r["impl"]) == (h0, k0, "none",
+                                                                                         "fastxfer none")]
+    if shm0 is None or len(cal) < 2:
+        return {}
+    cores = max(1, len(os.sched_getaffinity(0)))
+
+    def shared(h: int) -> float:
+        # Simulated hosts share this machine's cores, and moving bytes over TCP is CPU work: with
+        # more hosts than cores each gets cores/h of the machine. On real hosts this is 1.
+        return max(1.0, h / cores)
+
+    x = np.array([wire_formula(h0, r["bytes"]) * shared(h0) for r in cal])
+    y = np.array([r["p50"] - (shm0[0] + shm0[1] * r["bytes"]) for r in cal])
+    beta, c = np.polyfit(x, y, 1)
+    alpha = max(float(c) / (2 * (h0 - 1)), 0.0)
+    beta = max(float(beta), 1e-13)
+    table = []
+    for r in res["rows"]:
+        if r["impl"] not in ROWS_FX:
+            continue
+        wire_dtype_bytes = 2 if r["impl"] == "fastxfer bf16" else 4
+        shm = _shm_fit(res, r["slots"], r["impl"])
+        if shm is None:
+            continue
+        h = r["hosts"]
+        s_wire = r["bytes"] * wire_dtype_bytes / 4
+        # a rate-limited link: the slower of the machine's own cost per byte and the link's
+        b_host = beta * shared(h)
+        b_link = max(b_host, 8 / r["rate_bits"]) if r["rate_bits"] else b_host
+        pred = shm[0] + shm[1] * r["bytes"] + 2 * (h - 1) * alpha + wire_formula(h, s_wire) * b_link
+        table.append({"config": f"{h}x{r['slots']}", "rate": r["rate"], "impl": r["impl"], "bytes": r["bytes"],
+                      "predicted_s": pred, "measured_s": r["p50"], "error": pred / r["p50"] - 1,
+                      "calibration": (h, r["slots"], r["rate"]) == (h0, k0, "none") and r["impl"] == "fastxfer none"})
+    errs = [abs(t["error"]) for t in table if not t["calibration"] and t["bytes"] >= 1 << 20]
+    return {"alpha_s": alpha, "beta_s_per_byte": beta, "calibrated_on": f"{h0}x{k0}", "cores": cores,
+            "median_abs_error": float(np.median(errs)) if errs else None,
+            "max_abs_error": float(max(errs)) if errs else None, "table": table}
+
+
+# ---- report ---------------------------------------------------------------------------------------
+
+COLUMNS = ["hosts", "link", "impl", "bytes", "p50 ms", "algbw GB/s", "vs mpi4py", "wire MB/host", "#wrong"]
+
+
+def table_rows(res: dict) -> list[list[str]]:
+    rows = []
+    for r in res["rows"]:
+        m = _row(res, r["hosts"], r["slots"], r["rate"], MPI_ROW, r["bytes"])
+        vs = f"{m['p50'] / r['p50']:.2f}x" if m and r["impl"] != MPI_ROW else ""
+        wire = f"{r['wire_bytes'] / 1e6:.2f}" if r.get("wire_bytes") is not None else ""
+        rows.append([f"{r['hosts']}x{r['slots']}", r["rate"], r["impl"], str(r["bytes"]), f"{r['p50'] * 1e3:.2f}",
+                     f"{r['algbw']:.2f}", vs, wire, str(r["wrong"])])
+    return rows
+
+
+MODEL_COLUMNS = ["hosts", "link", "impl", "bytes", "predicted ms", "measured ms", "error"]
+
+
+def model_rows(model: dict) -> list[list[str]]:
+    return [[t["config"], t["rate"], t["impl"] + (" (fit)" if t["calibration"] else ""), str(t["bytes"]),
+             f"{t['predicted_s'] * 1e3:.2f}", f"{t['measured_s'] * 1e3:.2f}", f"{t['error'] * 100:+.0f}%"]
+            for t in model.get("table", [])]
+
+
+def report(res: dict, markdown: bool = False) -> None:
+    from fastxfer.bench.harness import markdown_table, print_markdown, print_table, print_targets
+
+    m = res["machine"]
+    caption = (f"{m['date']} | {m['cpu']} | {m['cpus']} CPUs | simulated hosts (veth, TCP) | HxK = H hosts x K ranks "
+               f"| p50 over iterations | wire = bytes the first host sent per call")
+    rows = table_rows(res)
+    print_table("fastxfer bench allreduce --hosts", COLUMNS, rows, caption)
+    for k, v in res["skipped"].items():
+        print(f"  skipped {k}: {v}")
+    print_targets(res.get("targets", []))
+    model = res.get("model") or {}
+    mrows = model_rows(model)
+    mcap = ""
+    if mrows:
+        mcap = (f"alpha {model['alpha_s'] * 1e6:.0f} us, beta {1 / model['beta_s_per_byte'] / GB:.2f} GB/s, fitted on "
+                f"{model['calibrated_on']}; error of the predictions from 1 MiB up: median "
+                f"{(model['median_abs_error'] or 0) * 100:.0f}%, worst {(model['max_abs_error'] or 0) * 100:.0f}%")
+        print_table("cost model: predicted vs measured", MODEL_COLUMNS, mrows, mcap)
+    if markdown:
+        print_markdown(m, caption, COLUMNS, rows, res.get("targets"))
+        for k, v in res["skipped"].items():
+            print(f"- skipped {k}: {v}")
+        if mrows:
+            print(f"\n{mcap}\n")
+            print(markdown_table(MODEL_COLUMNS, mrows))
+
+
+def plot(res: dict, path: str) -> None:
+    from fastxfer.bench.harness import pyplot, save_plot
+
+    plt = pyplot()
+    if plt is None or not res["rows"]:
+        return
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for key in dict.fromkeys((r["hosts"], r["slots"], r["rate"], r["impl"]) for r in res["rows"]):
+        sel = [r for r in res["rows"] if (r["hosts"], r["slots"], r["rate"], r["impl"]) == key]
+        a1.plot([r["bytes"] for r in sel], [r["p50"] * 1e3 for r in sel], marker="o",
+                label=f"{key[0]}x{key[1]} {key[2]}: {key[3]}")
+    a1.set_xscale("log", base=2)
+    a1.set_yscale("log")
+    a1.set_xlabel("message size (bytes)")
+    a1.set_ylabel("time per allreduce (ms)")
+    a1.set_title("allreduce across simulated hosts")
+    a1.legend(fontsize=6)
+    a1.grid(alpha=0.3)
+    table = (res.get("model") or {}).get("table", [])
+    if table:
+        xs = [t["measured_s"] * 1e3 for t in table]
+        ys = [t["predicted_s"] * 1e3 for t in table]
+        a2.scatter(xs, ys, c=["tab:red" if t["calibration"] else "tab:blue" for t in table], s=14)
+        lim = [min(xs + ys) * 0.8, max(xs + ys) * 1.2]
+        a2.plot(lim, lim, color="gray", linewidth=0.8)
+        a2.set_xscale("log")
+        a2.set_yscale("log")
+        a2.set_xlabel("measured (ms)")
+        a2.set_ylabel("predicted (ms)")
+        a2.set_title("cost model (red: the fit's own points)")
+        a2.grid(alpha=0.3)
+    m = res["machine"]
+    fig.suptitle(f"fastxfer bench allreduce --hosts - {m['cpu']}, {m['date']}", fontsize=9)
+    save_plot(fig, path)
