@@ -127,3 +127,35 @@ def test_a_lost_host_fails_the_job_naming_it(tmp_path):
         time.sleep(0.5)
         assert sim.shm_files("h1") == [], "a segment leaked on the surviving host"
         assert subprocess.run(sim.command("h1", ["true"])).returncode == 0  # the host itself lives on
+
+
+def test_bench_allreduce_across_hosts_with_a_rate_limited_link(tmp_path):
+    """`fastxfer bench allreduce --hosts 2x1 --rates none,200mbit`: every row exact, the link bytes
+    per host are the formula's (bf16 half), the tc token bucket really holds the rate (1 MiB cannot
+    cross 200 Mbit/s in under ~38 ms), and the cost model sets a prediction beside each row."""
+    import json
+
+    from _launch import fastxfer_cmd
+
+    out = tmp_path / "h.json"
+    r = run_command(fastxfer_cmd() + ["bench", "allreduce", "--hosts", "2x1", "-b", "512K", "-e", "1M", "-f", "2",
+                                      "--iters-scale", "0.1", "--rates", "none,200mbit", "--json", str(out)],
+                    env=ENV, timeout=900, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert not res["skipped"], res["skipped"]
+    size = 1 << 20
+    rows = {(row["rate"], row["impl"]): row for row in res["rows"] if row["bytes"] == size}
+    for rate in ("none", "200mbit"):
+        for impl in ("fastxfer none", "fastxfer bf16", "mpi4py Allreduce"):
+            row = rows[(rate, impl)]
+            assert row["wrong"] == 0 and row["bytes"] == size, row
+        assert size <= rows[(rate, "fastxfer none")]["wire_bytes"] <= 1.1 * size
+        assert size / 2 <= rows[(rate, "fastxfer bf16")]["wire_bytes"] <= 1.1 * size / 2
+        assert any(impl.startswith("fastxfer none, overlap") for (rt, impl) in rows if rt == rate)
+    assert rows[("200mbit", "fastxfer none")]["p50"] > (size - 100_000) * 8 / 200e6
+    assert rows[("200mbit", "mpi4py Allreduce")]["p50"] > (size - 100_000) * 8 / 200e6
+    model = res["model"]
+    assert model["alpha_s"] >= 0 and model["beta_s_per_byte"] > 0
+    assert {(t["rate"], t["impl"], t["bytes"]) for t in model["table"]} == {
+        (rt, i, b) for rt in ("none", "200mbit") for i in ("fastxfer none", "fastxfer bf16") for b in (size // 2, size)}

@@ -349,6 +349,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(fastxfer.bench.hosts; sizes default 1M..64M)")
     p.add_argument("--rates", default="none",
                    help="with --hosts: link rates to run at, tc token-bucket syntax, e.g. none,2gbit,500mbit")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="with --hosts: run every launch this many times, alternating the peers, and report medians")
     p.add_argument("--json", metavar="PATH", help="write results as JSON (- for stdout)")
     p.add_argument("--plot", metavar="PNG", help="busbw vs size, and the cost model")
     p.add_argument("--markdown", action="store_true", help="also print markdown tables (for bench/RESULTS.md)")
@@ -367,7 +369,7 @@ def _main_hosts(args: argparse.Namespace) -> int:
     lo = _parse_size(args.minbytes) if args.minbytes != "1K" else 1 << 20
     sizes = _sizes(lo, _parse_size(args.maxbytes), args.stepfactor)
     peers = tuple(p.strip() for p in args.peers.split(",") if p.strip() in ("fastxfer", "mpi4py"))
-    res = hosts.run(configs, rates, sizes, args.iters_scale, peers or ("fastxfer", "mpi4py"))
+    res = hosts.run(configs, rates, sizes, args.iters_scale, peers or ("fastxfer", "mpi4py"), max(1, args.repeat))
     if args.json:
         write_json(args.json, res)
     if args.json != "-":

@@ -176,7 +176,8 @@ def print_table(title: str, columns: list[str], rows: list[list[str]], caption: 
         t.add_column(c, justify="left" if i < 2 else "right")
     for r in rows:
         t.add_row(*r)
-    Console().print(t)
+    # piped or captured: as wide as the table needs, not the 80 columns rich assumes without a terminal
+    Console(width=None if sys.stdout.isatty() else 200).print(t)
 
 
 def markdown_table(columns: list[str], rows: list[list[str]]) -> str:

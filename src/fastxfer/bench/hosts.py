@@ -7,9 +7,9 @@ Open MPI's yielding mode when the ranks outnumber the cores: both get it).
 Rows per configuration (``HxK``: H hosts, K ranks on each) and link rate:
 
 - ``fastxfer none`` / ``fastxfer bf16``: float32 arrays, uncompressed / bf16 on the wire;
-- ``fastxfer none, overlap on`` / ``, overlap off``: the same with the other setting of
-  ``FASTXFER_NET_CHUNK_MB`` than the default here (1: each chunk's network stage on a thread of its
-  own, overlapped with the shared-memory stages of the next; 0: not), so both are measured;
+- ``fastxfer none, overlap off``: the same with ``FASTXFER_NET_CHUNK_MB=0`` (by default each
+  chunk's network stage runs on a thread of its own, overlapped with the shared-memory stages of
+  the next; 0 turns that off), so both are measured;
 - ``mpi4py Allreduce``: float32.
 
 Every row also counts what the first host put on its link per call (``wire_bytes``, from the
@@ -107,17 +107,23 @@ def _launch_on(sim, slots: int, impl: str, only: tuple[str, ...], sizes: list[in
     return rows, None
 
 
-def _one_host_sweeps(slots: set[int], sizes: list[int], scale: float, tmp: str) -> dict[int, list[dict]]:
+def _one_host_sweeps(slots: set[int], sizes: list[int], scale: float, tmp: str,
+                     repeat: int = 1) -> dict[int, list[dict]]:
     """fastxfer's own sweep on this host with K ranks: the shared-memory stage of the model."""
     from fastxfer.bench.allreduce import _launch
 
     out = {}
     for k in sorted(slots):
-        status(f"one host, {k} rank(s): the shared-memory stage")
-        rows, err = _launch("fastxfer", k, sizes, scale, tmp, ("allreduce",), extra=("--only", ",".join(ROWS_FX)))
-        if err:
-            raise RuntimeError(f"one-host sweep with {k} ranks {err}")
-        out[k] = rows
+        runs = []
+        for rep in range(repeat):
+            status(f"one host, {k} rank(s): the shared-memory stage" + (f", run {rep + 1} of {repeat}"
+                                                                         if repeat > 1 else ""))
+            rows, err = _launch("fastxfer", k, sizes, scale, tmp, ("allreduce",),
+                                extra=("--only", ",".join(ROWS_FX)))
+            if err:
+                raise RuntimeError(f"one-host sweep with {k} ranks {err}")
+            runs.append(rows)
+        out[k] = _median_rows(runs)
     return out
 
 
@@ -128,18 +134,41 @@ def _interp(rows: list[dict], impl: str, nbytes: int) -> float | None:
     return None
 
 
+def _median_rows(runs: list[list[dict]]) -> list[dict]:
+    """One row per (impl, bytes): the median over repeats of each run's p50 and wire bytes, and
+    every repeat's wrong elements added up; `p50s` keeps each repeat's."""
+    out: dict[tuple, dict] = {}
+    for rows in runs:
+        for r in rows:
+            key = (r["impl"], r["bytes"])
+            o = out.setdefault(key, dict(r, p50s=[], wires=[], wrong=0))
+            o["p50s"].append(r["p50"])
+            o["wrong"] += r["wrong"]
+            if r.get("wire_bytes") is not None:
+                o["wires"].append(r["wire_bytes"])
+    for o in out.values():
+        o["p50"] = float(np.median(o["p50s"]))
+        if o["wires"]:
+            o["wire_bytes"] = float(np.median(o["wires"]))
+        del o["wires"]
+    return list(out.values())
+
+
 def run(configs: list[tuple[int, int]], rates: list[str], sizes: list[int], scale: float = 1.0,
-        peers: tuple[str, ...] = ("fastxfer", "mpi4py")) -> dict:
+        peers: tuple[str, ...] = ("fastxfer", "mpi4py"), repeat: int = 1) -> dict:
+    """`repeat`: every launch that many times, alternating the peers (the machine is shared and
+    noisy); rows carry the median of the repeats' p50s."""
     from fastxfer.comm.group import _net_chunk_bytes
     from fastxfer.simhosts import SimHosts
 
-    res = {"machine": machine_info(), "configs": configs, "rates": rates, "rows": [], "skipped": {}}
+    res = {"machine": machine_info(), "configs": configs, "rates": rates, "rows": [], "skipped": {},
+           "repeat": repeat}
     why = SimHosts.available()
     if why:
         res["skipped"]["hosts"] = why
         return res
     with tempfile.TemporaryDirectory(prefix="fastxfer-bench-hosts-") as tmp:
-        shm = _one_host_sweeps({k for _, k in configs}, sizes, scale, tmp)
+        shm = _one_host_sweeps({k for _, k in configs}, sizes, scale, tmp, repeat)
         res["one_host"] = {str(k): v for k, v in shm.items()}
         for hosts, slots in configs:
             with SimHosts(hosts) as sim:
@@ -156,19 +185,25 @@ def run(configs: list[tuple[int, int]], rates: list[str], sizes: list[int], scal
                     runs = []
                     if "fastxfer" in peers:
                         runs.append(("fastxfer", ROWS_FX, {}))
-                        # the overlap setting the default does not pick here (it depends on the cores)
-                        other = "0" if _net_chunk_bytes(slots) else "1"
+                        # the other overlap setting than the default (FASTXFER_NET_CHUNK_MB, if the user set it)
+                        other = "0" if _net_chunk_bytes() else "1"
                         runs.append(("fastxfer", ("fastxfer none",), {"FASTXFER_NET_CHUNK_MB": other}))
                     if "mpi4py" in peers:
                         runs.append(("mpi4py", (MPI_ROW,), {}))
-                    for impl, only, env in runs:
-                        variant = f" ({OVERLAP[env['FASTXFER_NET_CHUNK_MB']].split(', ')[1]})" if env else ""
-                        status(f"{label}: {impl}{variant}, sizes {sizes[0]}..{sizes[-1]} bytes")
-                        got, err = _launch_on(sim, slots, impl, only, sizes, scale, tmp, env)
-                        if err:
-                            res["skipped"][f"{label} {impl}"] = err
-                            status(f"{label} {impl}: {err}")
-                        for r in got:
+                    got_all: dict[int, list[list[dict]]] = {i: [] for i in range(len(runs))}
+                    for rep in range(repeat):
+                        for i, (impl, only, env) in enumerate(runs):
+                            variant = f" ({OVERLAP[env['FASTXFER_NET_CHUNK_MB']].split(', ')[1]})" if env else ""
+                            status(f"{label}: {impl}{variant}, sizes {sizes[0]}..{sizes[-1]} bytes"
+                                   + (f", run {rep + 1} of {repeat}" if repeat > 1 else ""))
+                            got, err = _launch_on(sim, slots, impl, only, sizes, scale, tmp, env)
+                            if err:
+                                res["skipped"][f"{label} {impl}"] = err
+                                status(f"{label} {impl}: {err}")
+                            elif got:
+                                got_all[i].append(got)
+                    for i, (impl, only, env) in enumerate(runs):
+                        for r in _median_rows(got_all[i]):
                             if env:
                                 r["impl"] = OVERLAP[env["FASTXFER_NET_CHUNK_MB"]]
                             r.update(hosts=hosts, slots=slots, rate=rate_text if bits else "none", rate_bits=bits,
@@ -304,7 +339,8 @@ def report(res: dict, markdown: bool = False) -> None:
 
     m = res["machine"]
     caption = (f"{m['date']} | {m['cpu']} | {m['cpus']} CPUs | simulated hosts (veth, TCP) | HxK = H hosts x K ranks "
-               f"| p50 over iterations | wire = bytes the first host sent per call")
+               f"| p50 over iterations, median of {res.get('repeat', 1)} run(s) | wire = bytes the first host sent "
+               f"per call")
     rows = table_rows(res)
     print_table("fastxfer bench allreduce --hosts", COLUMNS, rows, caption)
     for k, v in res["skipped"].items():

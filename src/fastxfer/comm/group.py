@@ -80,17 +80,15 @@ def _int_env(names: list[str]) -> int | None:
     return None
 
 
-def _net_chunk_bytes(local_size: int) -> int:
-    """FASTXFER_NET_CHUNK_MB: across hosts, allreduce chunks of at most this many MB on the wire,
-    each one's network stage (on a thread of its own) overlapped with the next one's shared-memory
-    stages; 0 turns the overlap off (one network call per half window, on the engine thread).
-    Default: 1 where each local rank has at least 2 cores of its own, else 0 -- where the network
-    stage is CPU work on the same cores (TCP on an oversubscribed host) the overlap only adds
-    thread switches (measured 10-14% slower on 2 simulated hosts of a 2-core machine)."""
+def _net_chunk_bytes() -> int:
+    """FASTXFER_NET_CHUNK_MB (default 1): across hosts, allreduce chunks of at most this many MB on
+    the wire, each one's network stage (on a thread of its own) overlapped with the next one's
+    shared-memory stages; 0 turns the overlap off (one network call per half window, on the
+    engine thread). Measured on simulated hosts: 20-28% faster where the link is the bottleneck
+    (2x2 on a 1 Gbit/s link), the same within noise where the CPU is (docs/algorithms.md)."""
     v = os.environ.get("FASTXFER_NET_CHUNK_MB", "").strip()
     if v == "":
-        cores = min(len(os.sched_getaffinity(0)), (os.cpu_count() or 1) // max(1, local_size))
-        return 1 << 20 if cores >= 2 else 0
+        return 1 << 20
     try:
         if float(v) == 0:
             return 0
@@ -343,7 +341,7 @@ def init(comm=None, process_sets=None, *, timeout: float | None = None, engine_c
                         stream_min=max(0, stream_min), spin_us=spin_us(),
                         stall_warning=_float_env("FASTXFER_STALL_WARNING_S", min(60.0, timeout / 2)),
                         report_dir=os.environ.get("FASTXFER_REPORT_DIR", ""),
-                        net_chunk=_net_chunk_bytes(layout.local_size))
+                        net_chunk=_net_chunk_bytes())
         here = layout.host_of_rank(layout.rank)
         on_host = [r for r in range(layout.size) if layout.host_of_rank(r) == here] if layout.host_of else []
         _engine = make_engine(settings, layout.segment, layout.local_rank, layout.local_size, layout.inter_host,
