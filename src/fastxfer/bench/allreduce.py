@@ -50,12 +50,10 @@ def _sizes(b: int, e: int, f: int) -> list[int]:
 
 
 def _launch(impl: str, np_: int, sizes: list[int], scale: float, tmp: str,
-            collectives: tuple[str, ...] = COLLECTIVES, bind: str = "none",
-            extra: tuple[str, ...] = ()) -> tuple[list[dict], str | None]:
+            collectives: tuple[str, ...] = COLLECTIVES, bind: str = "none") -> tuple[list[dict], str | None]:
     out = os.path.join(tmp, f"{impl}-{np_}")
     worker = worker_command("allreduce_worker", "--impl", impl, "--sizes", ",".join(map(str, sizes)),
-                            "--iters-scale", str(scale), "--out", out, "--collectives", ",".join(collectives),
-                            *extra)
+                            "--iters-scale", str(scale), "--out", out, "--collectives", ",".join(collectives))
     env = dict(os.environ)
     if impl == "mpi4py":
         mpirun = shutil.which("mpirun")

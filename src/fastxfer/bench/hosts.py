@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import tempfile
 
 import numpy as np
 
-from fastxfer.bench.harness import GB, machine_info, read_results, status, target, worker_command
+from fastxfer.bench.harness import (GB, free_port, launcher_command, machine_info, read_results, status, target,
+                                    worker_command)
 
 ROWS_FX = ("fastxfer none", "fastxfer bf16")
 OVERLAP = {"1": "fastxfer none, overlap on", "0": "fastxfer none, overlap off"}
@@ -68,11 +70,19 @@ def wire_formula(hosts: int, nbytes: float) -> float:
     return 2 * (hosts - 1) / hosts * nbytes
 
 
+def tc_path() -> str | None:
+    """iproute2's tc: on PATH, or in the sbin directories a user's PATH often leaves out."""
+    return shutil.which("tc") or shutil.which("tc", path="/usr/sbin:/sbin:/usr/local/sbin")
+
+
 def _limit(sim, rate_text: str, bits: float) -> None:
+    tc = tc_path()
+    if tc is None:
+        raise RuntimeError("tc (iproute2) is not installed")
     # a bucket of 4 ms at the rate (at least 32 KiB): small enough that bursts do not hide the rate
     burst = max(32 << 10, int(bits / 8 / 250))
     for i in range(sim.n):
-        r = subprocess.run(sim.command(i, ["tc", "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", rate_text,
+        r = subprocess.run(sim.command(i, [tc, "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", rate_text,
                                            "burst", str(burst), "latency", "200ms"]), capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(f"tc cannot limit the link here: {r.stderr.strip()}")
@@ -80,7 +90,7 @@ def _limit(sim, rate_text: str, bits: float) -> None:
 
 def _unlimit(sim) -> None:
     for i in range(sim.n):
-        subprocess.run(sim.command(i, ["tc", "qdisc", "del", "dev", "eth0", "root"]), capture_output=True)
+        subprocess.run(sim.command(i, [tc_path() or "tc", "qdisc", "del", "dev", "eth0", "root"]), capture_output=True)
 
 
 def _launch_on(sim, slots: int, impl: str, only: tuple[str, ...], sizes: list[int], scale: float, tmp: str,
@@ -110,19 +120,23 @@ def _launch_on(sim, slots: int, impl: str, only: tuple[str, ...], sizes: list[in
 def _one_host_sweeps(slots: set[int], sizes: list[int], scale: float, tmp: str,
                      repeat: int = 1) -> dict[int, list[dict]]:
     """fastxfer's own sweep on this host with K ranks: the shared-memory stage of the model."""
-    from fastxfer.bench.allreduce import _launch
-
     out = {}
     for k in sorted(slots):
         runs = []
         for rep in range(repeat):
             status(f"one host, {k} rank(s): the shared-memory stage" + (f", run {rep + 1} of {repeat}"
                                                                          if repeat > 1 else ""))
-            rows, err = _launch("fastxfer", k, sizes, scale, tmp, ("allreduce",),
-                                extra=("--only", ",".join(ROWS_FX)))
-            if err:
-                raise RuntimeError(f"one-host sweep with {k} ranks {err}")
-            runs.append(rows)
+            path = os.path.join(tmp, f"one-host-{k}-{rep}")
+            worker = worker_command("allreduce_worker", "--impl", "fastxfer", "--sizes", ",".join(map(str, sizes)),
+                                    "--iters-scale", str(scale), "--out", path, "--collectives", "allreduce",
+                                    "--only", ",".join(ROWS_FX))
+            env = dict(os.environ, BENCH_PORT=str(free_port()))
+            r = subprocess.run(launcher_command(k) + worker, env=env, capture_output=True, text=True, timeout=3600)
+            per_rank = read_results(path, k)
+            if r.returncode != 0 or len(per_rank) != k:
+                tail = " | ".join((r.stderr or r.stdout).strip().splitlines()[-3:])
+                raise RuntimeError(f"one-host sweep with {k} ranks failed (exit {r.returncode}): {tail}")
+            runs.append(per_rank[0]["results"])
         out[k] = _median_rows(runs)
     return out
 
@@ -158,7 +172,7 @@ def run(configs: list[tuple[int, int]], rates: list[str], sizes: list[int], scal
         peers: tuple[str, ...] = ("fastxfer", "mpi4py"), repeat: int = 1) -> dict:
     """`repeat`: every launch that many times, alternating the peers (the machine is shared and
     noisy); rows carry the median of the repeats' p50s."""
-    from fastxfer.comm.group import _net_chunk_bytes
+    from fastxfer.comm.group import net_chunk_bytes
     from fastxfer.simhosts import SimHosts
 
     res = {"machine": machine_info(), "configs": configs, "rates": rates, "rows": [], "skipped": {},
@@ -186,7 +200,7 @@ def run(configs: list[tuple[int, int]], rates: list[str], sizes: list[int], scal
                     if "fastxfer" in peers:
                         runs.append(("fastxfer", ROWS_FX, {}))
                         # the other overlap setting than the default (FASTXFER_NET_CHUNK_MB, if the user set it)
-                        other = "0" if _net_chunk_bytes() else "1"
+                        other = "0" if net_chunk_bytes() else "1"
                         runs.append(("fastxfer", ("fastxfer none",), {"FASTXFER_NET_CHUNK_MB": other}))
                     if "mpi4py" in peers:
                         runs.append(("mpi4py", (MPI_ROW,), {}))

@@ -80,7 +80,7 @@ def _int_env(names: list[str]) -> int | None:
     return None
 
 
-def _net_chunk_bytes() -> int:
+def net_chunk_bytes() -> int:
     """FASTXFER_NET_CHUNK_MB (default 1): across hosts, allreduce chunks of at most this many MB on
     the wire, each one's network stage (on a thread of its own) overlapped with the next one's
     shared-memory stages; 0 turns the overlap off (one network call per half window, on the
@@ -341,7 +341,7 @@ def init(comm=None, process_sets=None, *, timeout: float | None = None, engine_c
                         stream_min=max(0, stream_min), spin_us=spin_us(),
                         stall_warning=_float_env("FASTXFER_STALL_WARNING_S", min(60.0, timeout / 2)),
                         report_dir=os.environ.get("FASTXFER_REPORT_DIR", ""),
-                        net_chunk=_net_chunk_bytes())
+                        net_chunk=net_chunk_bytes())
         here = layout.host_of_rank(layout.rank)
         on_host = [r for r in range(layout.size) if layout.host_of_rank(r) == here] if layout.host_of else []
         _engine = make_engine(settings, layout.segment, layout.local_rank, layout.local_size, layout.inter_host,
