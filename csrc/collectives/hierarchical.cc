@@ -177,8 +177,9 @@ void HierarchicalCollectives::allreduce(const AllreduceJob& job) {
     return;
   }
   if (!lane_) lane_ = std::make_unique<NetLane>();
-  // Every job posted is waited for, also when the shared-memory stages throw half-way: the
-  // shard it writes lives in this rank's window.
+  // Every shard posted is waited for before this returns normally. The shard lives in this
+  // rank's window, which outlives this call, so one abandoned on failure (below) writes nowhere
+  // it should not.
   size_t in_flight = 0;
   ShardPipeline pipe;
   pipe.max_chunk_bytes = net_chunk_bytes_;
