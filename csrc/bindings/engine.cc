@@ -122,7 +122,7 @@ void bind_engine(py::module_& m) {
                        size_t bucket_cap_bytes, int max_records, size_t stream_min_bytes, py::object inter_host,
                        const std::string& timeline_path, int timeline_rank, double spin_us,
                        double stall_warning_s, const std::string& report_dir, std::vector<int> segment_ranks,
-                       std::vector<int> job_ranks, size_t net_chunk_bytes) {
+                       std::vector<int> job_ranks, size_t net_chunk_bytes, double host_timeout_s) {
              JobConfig job;
              job.shm.name = name;
              job.shm.rank = rank;
@@ -140,6 +140,7 @@ void bind_engine(py::module_& m) {
              job.threads = threads;
              job.stream_min_bytes = stream_min_bytes;
              job.net_chunk_bytes = net_chunk_bytes;
+             job.host_timeout_s = host_timeout_s;
              job.engine.bucket_cap_bytes = bucket_cap_bytes;
              job.engine.max_records = max_records;
              job.engine.cpus = std::move(cpus);
@@ -156,11 +157,13 @@ void bind_engine(py::module_& m) {
            py::arg("inter_host") = py::none(), py::arg("timeline_path") = "", py::arg("timeline_rank") = 0,
            py::arg("spin_us") = 50.0, py::arg("stall_warning_s") = 60.0, py::arg("report_dir") = "",
            py::arg("segment_ranks") = std::vector<int>{}, py::arg("job_ranks") = std::vector<int>{},
-           py::arg("net_chunk_bytes") = static_cast<size_t>(1u << 20))
+           py::arg("net_chunk_bytes") = static_cast<size_t>(1u << 20), py::arg("host_timeout_s") = 0.0)
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("size", &Engine::size)
       .def_property_readonly("oob_capacity", &Engine::oob_capacity)
       .def_property_readonly("running", &Engine::running)
+      .def_property_readonly("host_lost", &Engine::host_lost,
+                             "A host of the job was lost (heartbeats across hosts): MPI cannot be finalized.")
       .def_property_readonly("tracked", &Engine::tracked,
                              "Requests still tracked: queued, running, or finished and not yet waited for.")
       .def(

@@ -82,6 +82,8 @@ class Collectives {
   // Makes every wait in progress (and later) throw EngineError: used when the process tears the
   // engine down without a collective shutdown.
   virtual void abort() = 0;
+  // A host of the job was lost (heartbeats across hosts): its network calls may still be running.
+  virtual bool host_lost() const { return false; }
 
   virtual CommStats stats() const = 0;
 };

@@ -2,10 +2,16 @@
 // cross-host leg of every shard through InterHost.
 #include "collectives/hierarchical.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
+#include <random>
+#include <sstream>
 
+#include "common/errors.h"
 #include "kernels/reduce.h"
 
 namespace fastxfer {
@@ -93,7 +99,8 @@ void NetLane::post(std::function<void()> job) {
 
 void NetLane::wait() {
   std::unique_lock<std::mutex> lk(s_->mu);
-  s_->cv.wait(lk, [&] { return !s_->done.empty(); });
+  s_->cv.wait(lk, [&] { return !s_->done.empty() || s_->interrupted; });
+  if (s_->interrupted) throw PeerFailure(s_->why);
   std::exception_ptr err = s_->done.front();
   s_->done.pop_front();
   if (err) std::rethrow_exception(err);
@@ -101,21 +108,141 @@ void NetLane::wait() {
 
 bool NetLane::wait_for(double seconds) {
   std::unique_lock<std::mutex> lk(s_->mu);
-  if (!s_->cv.wait_for(lk, std::chrono::duration<double>(seconds), [&] { return !s_->done.empty(); })) return false;
+  auto ready = [&] { return !s_->done.empty() || s_->interrupted; };
+  if (!s_->cv.wait_for(lk, std::chrono::duration<double>(seconds), ready) || s_->interrupted) return false;
   s_->done.pop_front();  // its error, if any, is dropped
   return true;
 }
 
+void NetLane::interrupt(const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lk(s_->mu);
+    if (s_->interrupted) return;
+    s_->interrupted = true;
+    s_->why = why;
+  }
+  s_->cv.notify_all();
+}
+
+bool NetLane::busy() const {
+  std::lock_guard<std::mutex> lk(s_->mu);
+  return s_->busy || !s_->todo.empty();
+}
+
 HierarchicalCollectives::HierarchicalCollectives(std::unique_ptr<ShmCollectives> local, std::shared_ptr<InterHost> inter,
-                                                 size_t net_chunk_bytes)
-    : local_(std::move(local)), inter_(std::move(inter)), net_chunk_bytes_(net_chunk_bytes) {}
+                                                 size_t net_chunk_bytes, double host_timeout_s)
+    : local_(std::move(local)), inter_(std::move(inter)), net_chunk_bytes_(net_chunk_bytes),
+      lane_(std::make_unique<NetLane>()) {
+  if (host_timeout_s > 0) start_heartbeat(host_timeout_s);
+}
+
+HierarchicalCollectives::~HierarchicalCollectives() {
+  beat_.reset();  // its callback uses the lanes and the shared memory: stop it first
+  // A network call still running is stuck on a lost host; if it ever returns it writes into this
+  // rank's window (an allreduce shard), so the mapping must outlive it: leave it mapped (its name
+  // was unlinked at attach; the memory goes with the process).
+  const bool stuck = lane_->busy() || (oob_lane_ && oob_lane_->busy());
+  lane_.reset();
+  oob_lane_.reset();
+  if (stuck) (void)local_.release();
+}
+
+namespace {
+
+std::string host_label() {
+  char name[256] = {0};
+  if (gethostname(name, sizeof name - 1) != 0) std::strcpy(name, "?");
+  return name;
+}
+
+}  // namespace
+
+void HierarchicalCollectives::start_heartbeat(double timeout_s) {
+  // Every rank tells every other how to reach it; its counterparts on the other hosts (the same
+  // local rank) are the peers it watches. Rank 0's token marks this job's datagrams.
+  beat_ = std::make_unique<HostHeartbeat>();
+  const char* sim = std::getenv("FASTXFER_HOST_ID");  // hosts simulated on one machine
+  const std::string machine = host_label();
+  const std::string label = sim && *sim ? machine + "/" + sim : machine;
+  std::random_device rd;
+  const uint64_t token = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  std::ostringstream mine;
+  mine << machine << '\n' << label << '\n' << local_->rank() << '\n' << token << '\n' << beat_->endpoint();
+  const std::string m = mine.str();
+  const auto all = inter_->allgather_bytes(std::vector<char>(m.begin(), m.end()));
+  std::vector<HeartbeatPeer> peers;
+  uint64_t job_token = 0;
+  for (size_t r = 0; r < all.size(); ++r) {
+    std::istringstream s(std::string(all[r].begin(), all[r].end()));
+    std::string their_machine, their_label, ep;
+    int their_local = -1;
+    uint64_t their_token = 0;
+    std::getline(s, their_machine);
+    std::getline(s, their_label);
+    s >> their_local >> their_token;
+    s.ignore(1);
+    std::getline(s, ep);
+    if (r == 0) job_token = their_token;
+    if (static_cast<int>(r) == inter_->rank() || their_local != local_->rank()) continue;
+    HeartbeatPeer p;
+    p.rank = static_cast<int>(r);
+    p.host = their_label;
+    p.addrs = HostHeartbeat::parse_endpoint(ep, their_machine == machine);
+    peers.push_back(std::move(p));
+  }
+  const double interval = std::min(1.0, std::max(0.05, timeout_s / 10));
+  beat_->start(inter_->rank(), job_token, std::move(peers), interval, timeout_s,
+               [this](const std::string& why) { host_lost(why); });
+}
+
+void HierarchicalCollectives::host_lost(const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lk(lost_mu_);
+    if (lost_.load()) return;
+    lost_why_ = why;
+    lost_.store(true);
+    lane_->interrupt(why);  // a round waiting on the network fails now
+    if (oob_lane_) oob_lane_->interrupt(why);
+  }
+  local_->abort();  // and one waiting for a local peer (stuck on its own network call)
+}
+
+void HierarchicalCollectives::on_lane(std::function<void()> f) {
+  lane_->post(std::move(f));
+  lane_->wait();
+}
+
+template <class F>
+void HierarchicalCollectives::guarded(F&& body) {
+  try {
+    if (lost_.load()) throw PeerFailure("");
+    body();
+  } catch (...) {
+    if (!lost_.load()) throw;
+    std::lock_guard<std::mutex> lk(lost_mu_);
+    throw PeerFailure(lost_why_);
+  }
+}
 
 std::vector<std::vector<Record>> HierarchicalCollectives::exchange_records(const std::vector<Record>& mine) {
+  std::vector<std::vector<Record>> result;
+  guarded([&] { result = exchange(mine); });
+  return result;
+}
+
+std::vector<std::vector<Record>> HierarchicalCollectives::exchange(const std::vector<Record>& mine) {
+  auto inter = inter_;
+  // Network calls on the lane, on buffers the job owns (a job left running must not write here).
+  auto allgather_bytes = [&](std::vector<char> bytes) {
+    auto box = std::make_shared<std::vector<std::vector<char>>>();
+    on_lane([inter, box, bytes = std::move(bytes)] { *box = inter->allgather_bytes(bytes); });
+    return std::move(*box);
+  };
   auto gather_all = [&](const std::vector<Record>& recs) {
     std::vector<char> bytes(recs.size() * sizeof(Record));
     std::memcpy(bytes.data(), recs.data(), bytes.size());
     std::vector<std::vector<Record>> all;
-    for (const auto& b : inter_->allgather_bytes(bytes)) {
+    for (const auto& b : allgather_bytes(std::move(bytes))) {
       std::vector<Record> l(b.size() / sizeof(Record));
       std::memcpy(l.data(), b.data(), l.size() * sizeof(Record));
       all.push_back(std::move(l));
@@ -133,10 +260,14 @@ std::vector<std::vector<Record>> HierarchicalCollectives::exchange_records(const
   // 2. Across hosts: the shortest agreed prefix anywhere (-1: some host disagrees inside), then
   //    whether everyone's prefix is the same. Every rank takes part in every step, so a
   //    disagreement anywhere becomes a MismatchError everywhere (with global rank numbers).
-  const int64_t agreed = inter_->min_all(local_ok ? static_cast<int64_t>(m) : -1);
+  auto agreed_box = std::make_shared<int64_t>(0);
+  on_lane([inter, agreed_box, v = local_ok ? static_cast<int64_t>(m) : -1] { *agreed_box = inter->min_all(v); });
+  const int64_t agreed = *agreed_box;
   if (agreed < 0) return gather_all(mine);
   std::vector<Record> prefix(mine.begin(), mine.begin() + agreed);
-  const std::vector<uint64_t> digests = inter_->allgather_u64(digest(mine, static_cast<size_t>(agreed)));
+  auto digests_box = std::make_shared<std::vector<uint64_t>>();
+  on_lane([inter, digests_box, d = digest(mine, static_cast<size_t>(agreed))] { *digests_box = inter->allgather_u64(d); });
+  const std::vector<uint64_t> digests = std::move(*digests_box);
   for (uint64_t d : digests)
     if (d != digests[0]) return gather_all(prefix);
   // 3. Identical everywhere. allgather needs every rank's size: fetch those few numbers.
@@ -150,7 +281,7 @@ std::vector<std::vector<Record>> HierarchicalCollectives::exchange_records(const
       int64_t v[2] = {prefix[gathers[k]].numel, prefix[gathers[k]].ndim > 0 ? prefix[gathers[k]].shape[0] : 1};
       std::memcpy(mine_sizes.data() + k * sizeof v, v, sizeof v);
     }
-    auto sizes = inter_->allgather_bytes(mine_sizes);
+    auto sizes = allgather_bytes(std::move(mine_sizes));
     for (size_t j = 0; j < sizes.size(); ++j)
       for (size_t k = 0; k < gathers.size(); ++k) {
         int64_t v[2];
@@ -163,6 +294,10 @@ std::vector<std::vector<Record>> HierarchicalCollectives::exchange_records(const
 }
 
 void HierarchicalCollectives::allreduce(const AllreduceJob& job) {
+  guarded([&] { allreduce_impl(job); });
+}
+
+void HierarchicalCollectives::allreduce_impl(const AllreduceJob& job) {
   // Reduce each shard within the host (unscaled), across hosts, then scale once.
   // (the lane's copy holds the link: a job left running when this object goes keeps it alive)
   auto across = [inter = inter_, op = job.op, scale = job.postscale](char* shard, size_t n, DType wire) {
@@ -172,14 +307,15 @@ void HierarchicalCollectives::allreduce(const AllreduceJob& job) {
       reduce_block(op, wire, &src, 1, shard, n, scale);
     }
   };
+  // The shards live in this rank's window, which outlives any job left running (see the
+  // destructor), so one abandoned on failure writes nowhere it should not.
   if (net_chunk_bytes_ == 0) {
-    local_->allreduce_with_hook(job, across);
+    local_->allreduce_with_hook(job, [&](char* shard, size_t n, DType wire) {
+      on_lane([across, shard, n, wire] { across(shard, n, wire); });
+    });
     return;
   }
-  if (!lane_) lane_ = std::make_unique<NetLane>();
-  // Every shard posted is waited for before this returns normally. The shard lives in this
-  // rank's window, which outlives this call, so one abandoned on failure (below) writes nowhere
-  // it should not.
+  // Every shard posted is waited for before this returns normally.
   size_t in_flight = 0;
   ShardPipeline pipe;
   pipe.max_chunk_bytes = net_chunk_bytes_;
@@ -203,54 +339,97 @@ void HierarchicalCollectives::allreduce(const AllreduceJob& job) {
   }
 }
 
+// Broadcast, allgather and alltoall go through buffers the lane's job owns: on a lost host the
+// caller gets PeerFailure while the MPI call may still be running, and the caller's buffers may be
+// freed at once. The copies cost little next to the network.
 void HierarchicalCollectives::broadcast(const void* in, void* out, size_t nbytes, int root) {
-  if (inter_->rank() == root && out != in) std::memcpy(out, in, nbytes);
-  inter_->broadcast(out, nbytes, root);
+  guarded([&] {
+    auto buf = std::make_shared<std::vector<char>>(nbytes);
+    if (inter_->rank() == root && nbytes > 0) std::memcpy(buf->data(), in, nbytes);
+    on_lane([inter = inter_, buf, root] { inter->broadcast(buf->data(), buf->size(), root); });
+    if (nbytes > 0) std::memcpy(out, buf->data(), nbytes);
+  });
 }
 
 void HierarchicalCollectives::allgather(const void* in, void* out, const std::vector<size_t>& bytes) {
-  inter_->allgatherv(in, out, bytes);
+  guarded([&] {
+    size_t total = 0;
+    for (size_t b : bytes) total += b;
+    const size_t mine = bytes.at(static_cast<size_t>(inter_->rank()));
+    auto src = std::make_shared<std::vector<char>>(static_cast<const char*>(in), static_cast<const char*>(in) + mine);
+    auto dst = std::make_shared<std::vector<char>>(total);
+    on_lane([inter = inter_, src, dst, bytes] { inter->allgatherv(src->data(), dst->data(), bytes); });
+    if (total > 0) std::memcpy(out, dst->data(), total);
+  });
 }
 
 void HierarchicalCollectives::alltoall(const void* in, void* out, const std::vector<size_t>& bytes) {
   // Straight over MPI's Alltoallv among all ranks (MPI moves the pairs on one host through its own
   // shared memory): the blocks differ per pair, so there is no shard to share within the host.
-  const size_t n = static_cast<size_t>(inter_->size()), me = static_cast<size_t>(inter_->rank());
-  std::vector<size_t> send(n), recv(n);
-  for (size_t j = 0; j < n; ++j) {
-    send[j] = bytes[me * n + j];
-    recv[j] = bytes[j * n + me];
-  }
-  inter_->alltoallv(in, out, send, recv);
+  guarded([&] {
+    const size_t n = static_cast<size_t>(inter_->size()), me = static_cast<size_t>(inter_->rank());
+    std::vector<size_t> send(n), recv(n);
+    size_t sent = 0, received = 0;
+    for (size_t j = 0; j < n; ++j) {
+      send[j] = bytes[me * n + j];
+      recv[j] = bytes[j * n + me];
+      sent += send[j];
+      received += recv[j];
+    }
+    auto src = std::make_shared<std::vector<char>>(static_cast<const char*>(in), static_cast<const char*>(in) + sent);
+    auto dst = std::make_shared<std::vector<char>>(received);
+    on_lane([inter = inter_, src, dst, send = std::move(send), recv = std::move(recv)] {
+      inter->alltoallv(src->data(), dst->data(), send, recv);
+    });
+    if (received > 0) std::memcpy(out, dst->data(), received);
+  });
 }
 
 void HierarchicalCollectives::reducescatter(const ReducescatterJob& job) {
   // The whole tensor goes through the hierarchical allreduce (every rank gets every row), then each
   // rank keeps its rows: correct, but it moves the allgather half that a native reduce-scatter
   // across hosts would not (docs/algorithms.md).
-  size_t total = 0;
-  for (size_t c : job.counts) total += c;
-  const size_t es = dtype_size(job.dtype);
-  std::vector<char> tmp(std::max<size_t>(total * es, 1));
-  if (total > 0) {
-    BucketPlanner planner(std::max<size_t>(total * es, 64), std::max<size_t>(total * es, 64), Compression::kNone);
-    const std::vector<Bucket> buckets = planner.plan({{total, job.dtype}});
-    AllreduceJob aj{&buckets.at(0), {job.in}, {tmp.data()}, job.op, 1.0, job.scale};
-    allreduce(aj);
-  }
-  size_t start = 0;
-  for (int j = 0; j < inter_->rank(); ++j) start += job.counts[j];
-  const size_t mine = job.counts[inter_->rank()];
-  if (mine > 0) std::memcpy(job.out, tmp.data() + start * es, mine * es);
+  guarded([&] {
+    size_t total = 0;
+    for (size_t c : job.counts) total += c;
+    const size_t es = dtype_size(job.dtype);
+    std::vector<char> tmp(std::max<size_t>(total * es, 1));
+    if (total > 0) {
+      BucketPlanner planner(std::max<size_t>(total * es, 64), std::max<size_t>(total * es, 64), Compression::kNone);
+      const std::vector<Bucket> buckets = planner.plan({{total, job.dtype}});
+      AllreduceJob aj{&buckets.at(0), {job.in}, {tmp.data()}, job.op, 1.0, job.scale};
+      allreduce_impl(aj);
+    }
+    size_t start = 0;
+    for (int j = 0; j < inter_->rank(); ++j) start += job.counts[j];
+    const size_t mine = job.counts[inter_->rank()];
+    if (mine > 0) std::memcpy(job.out, tmp.data() + start * es, mine * es);
+  });
 }
 
 void HierarchicalCollectives::oob_allreduce(const Record& rec, const void* in, void* out, size_t n, DType dtype,
                                           ReduceOp op, double postscale) {
-  inter_->oob_allreduce(in, out, n, dtype, op, describe(rec));
-  if (postscale != 1.0) {
-    const void* src = out;
-    reduce_block(op, dtype, &src, 1, out, n, postscale);
-  }
+  // On the caller's thread (the engine's oob lock held), through a lane of its own so that a lost
+  // host interrupts it too.
+  guarded([&] {
+    const size_t bytes = n * dtype_size(dtype);
+    auto src = std::make_shared<std::vector<char>>(static_cast<const char*>(in), static_cast<const char*>(in) + bytes);
+    auto dst = std::make_shared<std::vector<char>>(bytes);
+    {
+      std::lock_guard<std::mutex> lk(lost_mu_);  // host_lost() interrupts what exists
+      if (!oob_lane_) oob_lane_ = std::make_unique<NetLane>();
+    }
+    if (lost_.load()) throw PeerFailure("");
+    oob_lane_->post([inter = inter_, src, dst, n, dtype, op, what = describe(rec)] {
+      inter->oob_allreduce(src->data(), dst->data(), n, dtype, op, what);
+    });
+    oob_lane_->wait();
+    if (bytes > 0) std::memcpy(out, dst->data(), bytes);
+    if (postscale != 1.0) {
+      const void* p = out;
+      reduce_block(op, dtype, &p, 1, out, n, postscale);
+    }
+  });
 }
 
 }  // namespace fastxfer

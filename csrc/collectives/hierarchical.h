@@ -2,38 +2,47 @@
 // hosts. Each local rank owns one shard of every chunk and reduces it across hosts with its
 // counterparts (the ranks with the same local rank), so all local ranks use the network at once.
 #pragma once
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <exception>
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 
 #include "collectives/shm_collectives.h"
+#include "transport/heartbeat.h"
 #include "transport/inter_host.h"
 
 namespace fastxfer {
 
-// A thread of its own for the cross-host stage, so that it overlaps the shared-memory stages
-// (shm_allreduce_pipelined): jobs run one at a time, in order; wait() waits for the oldest and
-// rethrows what it threw.
+// A thread of its own for every network call, so that the cross-host stage overlaps the
+// shared-memory stages (shm_allreduce_pipelined), and so that no caller is ever stuck inside MPI:
+// jobs run one at a time, in order; wait() waits for the oldest and rethrows what it threw, or
+// throws PeerFailure at once when the lane is interrupted (a host was lost), leaving the job
+// running. A job must therefore own (or share) every buffer it touches.
 class NetLane {
  public:
   NetLane();
-  ~NetLane();
+  ~NetLane();  // detaches the thread if a job is still running (stuck on a lost host)
   void post(std::function<void()> job);
   void wait();
   // As wait(), but drops the job's error; false (and the job left running) after `seconds`.
   bool wait_for(double seconds);
+  // Every wait from now on throws PeerFailure(why).
+  void interrupt(const std::string& why);
+  bool busy() const;
 
  private:
   struct State {
-    std::mutex mu;
+    mutable std::mutex mu;
     std::condition_variable cv;
     std::deque<std::function<void()>> todo;
     std::deque<std::exception_ptr> done;  // one per finished job (null: it succeeded)
-    bool stop = false, busy = false;
+    bool stop = false, busy = false, interrupted = false;
+    std::string why;
   };
   std::shared_ptr<State> s_;
   std::thread thread_;
@@ -43,9 +52,12 @@ class HierarchicalCollectives : public Collectives {
  public:
   // `net_chunk_bytes`: chunks of the allreduce hold at most this many bytes on the wire, so the
   // cross-host stage of one overlaps the shared-memory stages of the next (0: no overlap, one
-  // cross-host call per half window, on the engine thread).
+  // cross-host call per half window). `host_timeout_s` > 0: heartbeats between hosts
+  // (transport/heartbeat.h) with this deadline; a lost host interrupts every network wait with
+  // PeerFailure naming it. Collective: exchanges the heartbeat endpoints.
   HierarchicalCollectives(std::unique_ptr<ShmCollectives> local, std::shared_ptr<InterHost> inter,
-                          size_t net_chunk_bytes = 1u << 20);
+                          size_t net_chunk_bytes = 1u << 20, double host_timeout_s = 0);
+  ~HierarchicalCollectives() override;
 
   int rank() const override { return inter_->rank(); }
   int size() const override { return inter_->size(); }
@@ -63,13 +75,29 @@ class HierarchicalCollectives : public Collectives {
   void set_engine_idle(bool idle) override { local_->set_engine_idle(idle); }
   size_t oob_capacity() const override { return local_->oob_capacity(); }
   void abort() override { local_->abort(); }
+  bool host_lost() const override { return lost_.load(); }
   CommStats stats() const override { return local_->stats(); }
 
  private:
+  std::vector<std::vector<Record>> exchange(const std::vector<Record>& mine);
+  void allreduce_impl(const AllreduceJob& job);
+  void start_heartbeat(double timeout_s);
+  void host_lost(const std::string& why);
+  // Runs `f` (which must own what it touches) on the lane and waits for it.
+  void on_lane(std::function<void()> f);
+  // Runs `body`; if a host was lost meanwhile, whatever it threw becomes PeerFailure naming it.
+  template <class F>
+  void guarded(F&& body);
+
   std::unique_ptr<ShmCollectives> local_;
   std::shared_ptr<InterHost> inter_;
   size_t net_chunk_bytes_;
-  std::unique_ptr<NetLane> lane_;  // started by the first pipelined allreduce
+  std::unique_ptr<NetLane> lane_;      // every network call of the engine's rounds
+  std::unique_ptr<NetLane> oob_lane_;  // oob_allreduce's (the caller's thread waits for it)
+  std::mutex lost_mu_;
+  std::atomic<bool> lost_{false};
+  std::string lost_why_;
+  std::unique_ptr<HostHeartbeat> beat_;  // last: stopped first
 };
 
 }  // namespace fastxfer

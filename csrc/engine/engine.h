@@ -123,6 +123,8 @@ class Engine {
   // then fails at once. What the destructor does, on demand (a process set's engine at exit).
   void leave(const std::string& why);
   bool running() const;
+  // A host of the job was lost: a network call may still be running on a thread of its own.
+  bool host_lost() const { return comm_->host_lost(); }
   // Read while the engine runs: approximate (not synchronised with the engine thread).
   CommStats stats() const { return comm_->stats(); }
   // A step mark on the timeline (no-op without one).
@@ -190,6 +192,7 @@ struct JobConfig {
   size_t stream_min_bytes = 4u << 20;  // buckets with outputs this large use streaming stores
   size_t net_chunk_bytes = 1u << 20;   // several hosts: allreduce chunks overlapped with the network
                                        // hold at most this on the wire (0: no overlap)
+  double host_timeout_s = 0;           // several hosts: heartbeat deadline (0: no heartbeats)
   EngineConfig engine;
 };
 

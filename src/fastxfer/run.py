@@ -401,6 +401,11 @@ _LOST_HOST = [re.compile(r"Remote host:\s+(\S+)"),
               re.compile(r"Remote daemon:.*?on node\s+(\S+)"),
               re.compile(r"lost communication with a remote daemon.*?(?:on node|node)\s+(\S+)", re.I),
               re.compile(r"daemon on node\s+(\S+)\s+(?:failed|exited|died)", re.I)]
+# What a rank prints when its heartbeats across hosts stop (csrc/transport/heartbeat.cc).
+_RANK_LOST = re.compile(r"^fastxfer: rank (\d+): lost host (.+?) \(rank")
+# mpirun gets this long to end the job by itself after a rank reported a lost host (it may wait for
+# the lost host's daemon forever); then it is stopped.
+LOST_HOST_GRACE_S = 5.0
 _LOST_ANY = re.compile(r"daemon failed to report back|lost communication with a remote daemon|"
                        r"daemon on node \S+ (?:failed|exited|died)", re.I)
 
@@ -412,6 +417,9 @@ class _HostWatch:
     def __init__(self, streams):
         self.lost: list[str] = []
         self.lost_any = False
+        self.heartbeat_lost: list[str] = []     # hosts a rank's heartbeats lost
+        self.heartbeat_rank: int | None = None  # the first rank that said so
+        self.heartbeat_at: float | None = None  # when (time.monotonic())
         self.threads = [threading.Thread(target=self._pump, args=(src, dst), daemon=True) for src, dst in streams]
         for t in self.threads:
             t.start()
@@ -429,6 +437,13 @@ class _HostWatch:
                 pass
             if _LOST_ANY.search(line):
                 self.lost_any = True
+            m = _RANK_LOST.search(line)
+            if m:
+                for host in m.group(2).split(", "):
+                    if host not in self.heartbeat_lost:
+                        self.heartbeat_lost.append(host)
+                if self.heartbeat_at is None:
+                    self.heartbeat_rank, self.heartbeat_at = int(m.group(1)), time.monotonic()
             for pat in _LOST_HOST:
                 m = pat.search(line)
                 if m and m.group(1) not in self.lost:
@@ -440,7 +455,9 @@ def run_mpirun(cmd: list[str], env: dict[str, str]) -> int:
     """Runs mpirun (which stops its own ranks on every host) so that it dies with the launcher and
     hears of a stop signal: SIGINT/SIGTERM/SIGHUP are forwarded to it as SIGTERM. A host that
     mpirun reports lost fails the job, naming the host, whatever mpirun's own exit status (Open MPI
-    5 was seen to exit 0 after losing one)."""
+    5 was seen to exit 0 after losing one); so does one a rank's heartbeats report lost, and then
+    mpirun, which may wait for the lost host's daemon forever, is stopped after
+    LOST_HOST_GRACE_S."""
     try:
         p = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent(os.getpid()), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, errors="replace")
@@ -457,12 +474,32 @@ def run_mpirun(cmd: list[str], env: dict[str, str]) -> int:
             pass
 
     old = {s: signal.signal(s, forward) for s in STOP_SIGNALS}
+    stopped_at: float | None = None
     try:
-        code = p.wait()
-        watch.join(timeout=10)
+        while True:
+            try:
+                code = p.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            now = time.monotonic()
+            if watch.heartbeat_at is not None and now - watch.heartbeat_at > LOST_HOST_GRACE_S:
+                if stopped_at is None:
+                    stopped_at = now
+                    p.terminate()
+                elif now - stopped_at > 3:
+                    p.kill()
+        # mpirun's daemons on this machine may keep its pipes open a while after it was stopped
+        watch.join(timeout=10 if stopped_at is None else 1)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+    if watch.heartbeat_lost:
+        hosts = ", ".join(dict.fromkeys(watch.heartbeat_lost + watch.lost))
+        say(f"fastxfer run: job failed: lost host {hosts} (rank {watch.heartbeat_rank} heard no heartbeat from it: "
+            f"its link or the host went down); mpirun {describe_exit(code)}"
+            + (" (stopped by fastxfer run)" if stopped_at is not None else ""))
+        return code if code > 0 else 1
     if watch.lost_any:
         hosts = ", ".join(watch.lost) if watch.lost else "a host"
         say(f"fastxfer run: job failed: lost {'host ' if watch.lost else ''}{hosts} (mpirun says its daemon "

@@ -40,6 +40,11 @@ def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     return r
 
 
+def tc_path() -> str | None:
+    """iproute2's tc: on PATH, or in the sbin directories a user's PATH often leaves out."""
+    return shutil.which("tc") or shutil.which("tc", path="/usr/sbin:/sbin:/usr/local/sbin")
+
+
 class SimHosts:
     """``n`` simulated hosts named h1..hn at SUBNET.1..n; a context manager (``up``/``down``)."""
 
@@ -176,7 +181,12 @@ exec nsenter -t "$pid" -n -u -m -- sh -c "$*"
         os.chmod(self.agent, 0o755)
 
     def down(self) -> None:
-        """Stop every host (their namespaces, veths and /dev/shm go with them) and the temp files."""
+        """Stop every host (their namespaces, veths and /dev/shm go with them) and the temp files.
+        Every process inside a host goes too: a job cut off from its launcher (a link taken down)
+        leaves its ranks and daemon there, and they would hold the namespace."""
+        for i, p in enumerate(self.procs):
+            if p.poll() is None:
+                self.kill_host(i)
         for p in self.procs + ([self.switch] if self.switch else []):
             if p.poll() is None:
                 try:
@@ -212,6 +222,24 @@ exec nsenter -t "$pid" -n -u -m -- sh -c "$*"
         if np_ >= (len(os.sched_getaffinity(0)) or 1) and "OMPI_MCA_mpi_yield_when_idle" not in os.environ:
             run = ["env", "OMPI_MCA_mpi_yield_when_idle=1", *run]
         return self.command(0, run)
+
+    def limit_rate(self, rate_text: str, bits: float) -> None:
+        """A tc token bucket of `bits` per second (`rate_text`, tc's spelling) on every host's link."""
+        tc = tc_path()
+        if tc is None:
+            raise RuntimeError("tc (iproute2) is not installed")
+        # a bucket of 4 ms at the rate (at least 32 KiB): small enough that bursts do not hide the rate
+        burst = max(32 << 10, int(bits / 8 / 250))
+        for i in range(self.n):
+            r = subprocess.run(self.command(i, [tc, "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", rate_text,
+                                                "burst", str(burst), "latency", "200ms"]), capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"tc cannot limit the link here: {r.stderr.strip()}")
+
+    def unlimit(self) -> None:
+        """Every host's link back to full speed."""
+        for i in range(self.n):
+            subprocess.run(self.command(i, [tc_path() or "tc", "qdisc", "del", "dev", "eth0", "root"]), capture_output=True)
 
     def shm_files(self, host: int | str) -> list[str]:
         """What a host's /dev/shm holds now."""

@@ -8,6 +8,7 @@ import importlib.util
 import os
 import re
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -101,7 +102,6 @@ def test_three_hosts_on_a_bridge():
 def test_a_lost_host_fails_the_job_naming_it(tmp_path):
     """Every process of h2 killed mid-training: Open MPI tears the job down and exits 0 all the same;
     the launcher exits non-zero naming h2, within seconds, and h1 keeps no segment."""
-    import subprocess
     import time
 
     from _launch import finish, start
@@ -129,6 +129,76 @@ def test_a_lost_host_fails_the_job_naming_it(tmp_path):
         assert subprocess.run(sim.command("h1", ["true"])).returncode == 0  # the host itself lives on
 
 
+def _ranks_left(sim, host, marker):
+    """Processes inside `host` whose command line holds `marker`."""
+    import subprocess
+
+    r = subprocess.run(sim.command(host, ["ps", "-eo", "args"]), capture_output=True, text=True)
+    return [line for line in r.stdout.splitlines() if marker in line and "ps -eo" not in line]
+
+
+def test_a_link_that_goes_down_fails_every_rank_naming_the_other_host(tmp_path):
+    """h2's link taken down mid-training, every process alive: MPI alone would wait for TCP for
+    minutes. The heartbeats between hosts make every rank raise PeerFailureError within 10 s,
+    naming the host it lost (h2 on h1, h1 on h2); the launcher stops mpirun and exits non-zero
+    naming h2; no rank is left running on either host and no segment on h1."""
+    import time
+
+    from _launch import finish, start
+
+    out = tmp_path / "out"
+    out.mkdir()
+    with SimHosts(2) as sim:
+        worker = os.path.join(WORKERS, "link_worker.py")
+        p = start(sim.fastxfer_run(2, [sys.executable, worker, str(out), "600"]), env=ENV)
+        deadline = time.monotonic() + 120
+        seen = ""
+        while seen.count("STARTED") < 4 and time.monotonic() < deadline:
+            seen += p.stdout.readline()
+        assert seen.count("STARTED") == 4, seen
+        time.sleep(1)
+        down = time.time()
+        assert subprocess.run(sim.command("h2", ["ip", "link", "set", "eth0", "down"])).returncode == 0
+        r = finish(p, timeout=120)
+        took = time.time() - down
+        assert r.returncode != 0, r.stdout[-2000:] + r.stderr[-2000:]
+        assert "fastxfer run: job failed: lost host h2" in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+        assert took < 30, took
+        for rank in range(4):
+            path = out / f"rank{rank}"
+            for _ in range(100):  # h2's ranks write theirs on their own
+                if path.exists() and path.read_text():
+                    break
+                time.sleep(0.1)
+            kind, when, msg = path.read_text().split(" ", 2)
+            lost = "h2" if rank < 2 else "h1"
+            assert kind == "PeerFailureError" and f"lost host {lost}" in msg, (rank, kind, msg)
+            assert float(when) - down < 10, (rank, float(when) - down, msg)
+        time.sleep(1)
+        for host in ("h1", "h2"):
+            assert _ranks_left(sim, host, "link_worker.py") == [], f"ranks left running on {host}"
+        assert sim.shm_files("h1") == [] and sim.shm_files("h2") == []
+
+
+def test_a_link_that_only_slows_down_is_not_a_lost_host(tmp_path):
+    """A 20 Mbit/s token bucket on every link (an allreduce of 1 MiB then takes ~0.5 s and the
+    heartbeats queue behind it) with a 2 s heartbeat deadline: 20 s of training end cleanly."""
+    from fastxfer.simhosts import tc_path
+
+    if tc_path() is None:
+        pytest.skip("tc (iproute2) is not installed: no rate limit to test")
+    out = tmp_path / "out"
+    out.mkdir()
+    with SimHosts(2) as sim:
+        sim.limit_rate("20mbit", 20e6)
+        r = _run(sim, 2, "link_worker.py", out, 20, env={"FASTXFER_HOST_TIMEOUT": "2"})
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        for rank in range(4):
+            text = (out / f"rank{rank}").read_text()
+            assert text.startswith("OK ") and int(text.split()[1]) >= 5, (rank, text)
+        assert "lost host" not in r.stderr
+
+
 def test_bench_allreduce_across_hosts_with_a_rate_limited_link(tmp_path):
     """`fastxfer bench allreduce --hosts 2x1 --rates none,200mbit`: every row exact, the link bytes
     per host are the formula's (bf16 half), the tc token bucket really holds the rate (1 MiB cannot
@@ -136,7 +206,7 @@ def test_bench_allreduce_across_hosts_with_a_rate_limited_link(tmp_path):
     import json
 
     from _launch import fastxfer_cmd
-    from fastxfer.bench.hosts import tc_path
+    from fastxfer.simhosts import tc_path
 
     if tc_path() is None:
         pytest.skip("tc (iproute2) is not installed: no rate limit to test")

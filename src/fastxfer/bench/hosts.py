@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import tempfile
 
@@ -68,29 +67,6 @@ def parse_rate(text: str) -> float | None:
 def wire_formula(hosts: int, nbytes: float) -> float:
     """Bytes one host sends per allreduce of `nbytes` on the wire (docs/algorithms.md)."""
     return 2 * (hosts - 1) / hosts * nbytes
-
-
-def tc_path() -> str | None:
-    """iproute2's tc: on PATH, or in the sbin directories a user's PATH often leaves out."""
-    return shutil.which("tc") or shutil.which("tc", path="/usr/sbin:/sbin:/usr/local/sbin")
-
-
-def _limit(sim, rate_text: str, bits: float) -> None:
-    tc = tc_path()
-    if tc is None:
-        raise RuntimeError("tc (iproute2) is not installed")
-    # a bucket of 4 ms at the rate (at least 32 KiB): small enough that bursts do not hide the rate
-    burst = max(32 << 10, int(bits / 8 / 250))
-    for i in range(sim.n):
-        r = subprocess.run(sim.command(i, [tc, "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", rate_text,
-                                           "burst", str(burst), "latency", "200ms"]), capture_output=True, text=True)
-        if r.returncode != 0:
-            raise RuntimeError(f"tc cannot limit the link here: {r.stderr.strip()}")
-
-
-def _unlimit(sim) -> None:
-    for i in range(sim.n):
-        subprocess.run(sim.command(i, [tc_path() or "tc", "qdisc", "del", "dev", "eth0", "root"]), capture_output=True)
 
 
 def _launch_on(sim, slots: int, impl: str, only: tuple[str, ...], sizes: list[int], scale: float, tmp: str,
@@ -191,7 +167,7 @@ def run(configs: list[tuple[int, int]], rates: list[str], sizes: list[int], scal
                     label = f"{hosts}x{slots}" + (f" @ {rate_text}" if bits else "")
                     if bits:
                         try:
-                            _limit(sim, rate_text, bits)
+                            sim.limit_rate(rate_text, bits)
                         except RuntimeError as e:
                             res["skipped"][label] = str(e)
                             status(f"{label}: {e}")
@@ -224,7 +200,7 @@ def run(configs: list[tuple[int, int]], rates: list[str], sizes: list[int], scal
                                      algbw=r["bytes"] / r["p50"] / GB)
                             res["rows"].append(r)
                     if bits:
-                        _unlimit(sim)
+                        sim.unlimit()
     res["targets"] = targets(res, sizes)
     res["model"] = fit_model(res)
     return res

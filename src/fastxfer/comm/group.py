@@ -24,6 +24,7 @@ import dataclasses
 import os
 import secrets
 import socket
+import sys
 import threading
 from collections.abc import Callable
 
@@ -78,6 +79,22 @@ def _int_env(names: list[str]) -> int | None:
             except ValueError:
                 raise FastxferError(f"environment variable {n}={v!r} is not an integer") from None
     return None
+
+
+def host_timeout() -> float:
+    """FASTXFER_HOST_TIMEOUT (seconds, default 5): across hosts, every rank exchanges UDP heartbeats
+    with its counterparts on the other hosts, and one not heard from for this long is lost: every
+    collective waiting on the network raises PeerFailureError naming its host, instead of blocking
+    until TCP gives up (minutes). 0 turns heartbeats off (docs/multihost.md, "Host failures")."""
+    v = os.environ.get("FASTXFER_HOST_TIMEOUT", "").strip()
+    if v == "":
+        return 5.0
+    try:
+        if float(v) == 0:
+            return 0.0
+    except ValueError:
+        pass
+    return _float_env("FASTXFER_HOST_TIMEOUT", 5.0)
 
 
 def net_chunk_bytes() -> int:
@@ -341,7 +358,7 @@ def init(comm=None, process_sets=None, *, timeout: float | None = None, engine_c
                         stream_min=max(0, stream_min), spin_us=spin_us(),
                         stall_warning=_float_env("FASTXFER_STALL_WARNING_S", min(60.0, timeout / 2)),
                         report_dir=os.environ.get("FASTXFER_REPORT_DIR", ""),
-                        net_chunk=net_chunk_bytes())
+                        net_chunk=net_chunk_bytes(), host_timeout=host_timeout())
         here = layout.host_of_rank(layout.rank)
         on_host = [r for r in range(layout.size) if layout.host_of_rank(r) == here] if layout.host_of else []
         _engine = make_engine(settings, layout.segment, layout.local_rank, layout.local_size, layout.inter_host,
@@ -378,7 +395,7 @@ def make_engine(settings: dict, segment: str, local_rank: int, local_size: int, 
     return _core.Engine(segment, local_rank, local_size, s["window"], s["oob"], s["timeout"], s["attach_timeout"],
                         s["threads"], s["cpus"], s["cap"], 1024, s["stream_min"], inter_host, timeline, rank,
                         s["spin_us"], s["stall_warning"], s["report_dir"], list(segment_ranks), list(job_ranks),
-                        s.get("net_chunk", 1 << 20))
+                        s.get("net_chunk", 1 << 20), s.get("host_timeout", 0.0))
 
 
 def settings() -> dict:
@@ -410,12 +427,22 @@ def _atexit_shutdown() -> None:
     # At interpreter exit, leave quietly: an error here would only hide the real one. Process
     # sets leave first, without waiting for their peers: a rank that exits (after an exception,
     # say) while a peer waits for it in another engine would otherwise wait for that peer in turn.
+    eng = _engine
     try:
         for callback in list(_at_exit):
             callback()
         shutdown()
     except Exception:
         pass
+    if eng is not None and eng.host_lost:
+        # A host was lost: an MPI call may still be blocked on it (on a thread of the engine's), and
+        # MPI_Finalize (mpi4py's, after this) would wait for the lost host forever. Leave now.
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(1)
 
 
 atexit.register(_atexit_shutdown)
