@@ -83,7 +83,8 @@ class HierarchicalCollectives : public Collectives {
   void allreduce_impl(const AllreduceJob& job);
   void start_heartbeat(double timeout_s);
   void host_lost(const std::string& why);
-  // Runs `f` (which must own what it touches) on the lane and waits for it.
+  // Runs `f` (which must own what it touches) on the lane and waits for it; without heartbeats,
+  // on the calling thread.
   void on_lane(std::function<void()> f);
   // Runs `body`; if a host was lost meanwhile, whatever it threw becomes PeerFailure naming it.
   template <class F>

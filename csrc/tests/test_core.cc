@@ -15,6 +15,18 @@
 #include "fusion/bucket_planner.h"
 #include "fusion/pack.h"
 #include "topology/topology.h"
+#include "collectives/hierarchical.h"
+#include "common/errors.h"
+#include "transport/heartbeat.h"
+
+#include <arpa/inet.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <thread>
 
 using namespace fastxfer;
 
@@ -282,7 +294,110 @@ static void test_cpu_lists() {
   CHECK(threw, "reversed range rejected");
 }
 
+// A lane whose job is stuck (on a lost host) can be interrupted: wait() throws PeerFailure with
+// the reason at once, the job goes on alone, and later waits fail the same way.
+static void test_net_lane_interrupt() {
+  std::atomic<bool> release{false};
+  {
+    NetLane lane;
+    lane.post([&] {
+      while (!release.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    });
+    std::thread t([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      lane.interrupt("lost host hX");
+    });
+    std::string got;
+    try {
+      lane.wait();
+    } catch (const PeerFailure& e) {
+      got = e.what();
+    }
+    t.join();
+    CHECK(got == "lost host hX", "interrupted wait threw '%s'", got.c_str());
+    CHECK(lane.busy(), "the stuck job still runs");
+    release.store(true);
+    for (int i = 0; i < 2000 && lane.busy(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    CHECK(!lane.busy(), "the job ended once released");
+    CHECK(!lane.wait_for(0.01), "an interrupted lane's wait_for fails");
+  }
+}
+
+// Heartbeats: a peer sending beats with the wrong token never arms the deadline; one that sends
+// valid beats and goes silent is reported lost once, named, after the timeout; two real
+// heartbeats never report each other, and one that stops says goodbye first.
+static void test_heartbeat() {
+  using clock = std::chrono::steady_clock;
+  const double timeout = 0.5;
+  std::mutex mu;
+  std::vector<std::pair<double, std::string>> fired;
+  const auto t0 = clock::now();
+  auto since = [&] { return std::chrono::duration<double>(clock::now() - t0).count(); };
+  auto on_lost = [&](const std::string& why) {
+    std::lock_guard<std::mutex> lk(mu);
+    fired.emplace_back(since(), why);
+  };
+  // A fake peer: a plain UDP socket speaking the 32-byte wire format.
+  int fake = socket(AF_INET, SOCK_DGRAM, 0);
+  sockaddr_in fa{};
+  fa.sin_family = AF_INET;
+  fa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fake, reinterpret_cast<sockaddr*>(&fa), sizeof fa);
+  socklen_t fl = sizeof fa;
+  getsockname(fake, reinterpret_cast<sockaddr*>(&fa), &fl);
+  const std::string fake_ep = std::to_string(ntohs(fa.sin_port)) + " 127.0.0.1";
+  CHECK(HostHeartbeat::parse_endpoint(fake_ep, false).empty(), "loopback dropped for another machine");
+  CHECK(HostHeartbeat::parse_endpoint(fake_ep, true).size() == 1, "loopback kept on the same machine");
+  {
+    HostHeartbeat d;
+    d.start(0, 42, {{7, "hz", HostHeartbeat::parse_endpoint(fake_ep, true)}}, 0.05, timeout, on_lost);
+    std::vector<sockaddr_in> to = HostHeartbeat::parse_endpoint(d.endpoint(), true);
+    CHECK(!to.empty(), "an endpoint with addresses: %s", d.endpoint().c_str());
+    auto beat = [&](uint64_t token) {
+      struct { uint32_t magic, type; uint64_t token; int32_t from, to; uint64_t seq; } pk{0x42485846, 1, token, 7, 0, 1};
+      for (const auto& a : to) sendto(fake, &pk, sizeof pk, 0, reinterpret_cast<const sockaddr*>(&a), sizeof a);
+    };
+    for (int i = 0; i < 20; ++i) {  // 1 s of another job's beats
+      beat(41);
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      CHECK(fired.empty(), "armed by a datagram with the wrong token");
+    }
+    for (int i = 0; i < 6; ++i) {
+      beat(42);
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    const double silent = since();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    std::lock_guard<std::mutex> lk(mu);
+    CHECK(fired.size() == 1, "lost once, got %zu reports", fired.size());
+    if (fired.size() == 1) {
+      const double after = fired[0].first - silent;
+      CHECK(after >= timeout - 0.05 && after < timeout + 0.6, "reported %.2f s after the last beat", after);
+      CHECK(fired[0].second.find("lost host hz (rank 7)") == 0, "message: %s", fired[0].second.c_str());
+    }
+    fired.clear();
+  }
+  close(fake);
+  {
+    auto a = std::make_unique<HostHeartbeat>();
+    auto b = std::make_unique<HostHeartbeat>();
+    a->start(0, 9, {{1, "hb", HostHeartbeat::parse_endpoint(b->endpoint(), true)}}, 0.05, timeout, on_lost);
+    b->start(1, 9, {{0, "ha", HostHeartbeat::parse_endpoint(a->endpoint(), true)}}, 0.05, timeout, on_lost);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1200));
+    b.reset();  // says goodbye
+    std::this_thread::sleep_for(std::chrono::milliseconds(1200));
+    std::lock_guard<std::mutex> lk(mu);
+    CHECK(fired.empty(), "a live peer or one that said goodbye reported lost: %s",
+          fired.empty() ? "" : fired[0].second.c_str());
+  }
+}
+
 int main() {
+  test_net_lane_interrupt();
+  test_heartbeat();
   test_kernels_match_reference();
   test_pack_ranges_roundtrip();
   test_planner_invariants();

@@ -358,7 +358,10 @@ def parse_hosts(text: str) -> list[tuple[str, int]]:
     return hosts
 
 
-def mpirun_command(np_: int, hosts: list[tuple[str, int]], command: list[str]) -> list[str]:
+def mpirun_command(np_: int, hosts: list[tuple[str, int]], command: list[str],
+                   env: dict[str, str] | None = None) -> list[str]:
+    """mpirun's command line; every FASTXFER_* setting of `env` (default: this process's) goes to
+    the ranks on every host (`-x`), as they go to the ranks `fastxfer run` starts on one host."""
     mpirun = shutil.which("mpirun") or shutil.which("mpiexec")
     if mpirun is None:
         raise SystemExit("fastxfer run: --hosts hands the job to mpirun, which is not on PATH: install MPI "
@@ -366,7 +369,9 @@ def mpirun_command(np_: int, hosts: list[tuple[str, int]], command: list[str]) -
     if sum(n for _, n in hosts) < np_:
         raise SystemExit(f"fastxfer run: --hosts offers {sum(n for _, n in hosts)} slots for -np {np_}")
     host_arg = ",".join(f"{h}:{n}" for h, n in hosts)
-    return [mpirun, "-np", str(np_), "--host", host_arg, "-x", "PYTHONUNBUFFERED=1"] + command
+    forward = [x for name in sorted(os.environ if env is None else env) if name.startswith("FASTXFER_")
+               for x in ("-x", name)]
+    return [mpirun, "-np", str(np_), "--host", host_arg, "-x", "PYTHONUNBUFFERED=1", *forward] + command
 
 
 def mpi_environment(np_: int, hosts: list[tuple[str, int]], agent: str | None, net: str | None,

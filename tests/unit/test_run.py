@@ -41,3 +41,53 @@ def test_mpi_environment_for_hosts(capsys):
     env = mpi_environment(4, [("h1", 2), ("h2", 2)], None, None, base={**base, "OMPI_MCA_mpi_yield_when_idle": "0"},
                           cores=2)
     assert env["OMPI_MCA_mpi_yield_when_idle"] == "0"
+
+
+def test_mpirun_command_forwards_fastxfer_settings_to_every_host():
+    import shutil
+
+    import pytest
+
+    from fastxfer.run import mpirun_command
+
+    if shutil.which("mpirun") is None and shutil.which("mpiexec") is None:
+        pytest.skip("no mpirun")
+    cmd = mpirun_command(4, [("h1", 2), ("h2", 2)], ["python", "t.py"],
+                         env={"PATH": "/bin", "FASTXFER_HOST_TIMEOUT": "2", "FASTXFER_NET_CHUNK_MB": "0"})
+    assert cmd[1:5] == ["-np", "4", "--host", "h1:2,h2:2"]
+    assert cmd[-2:] == ["python", "t.py"]
+    pairs = [cmd[i + 1] for i in range(len(cmd) - 1) if cmd[i] == "-x"]
+    assert pairs == ["PYTHONUNBUFFERED=1", "FASTXFER_HOST_TIMEOUT", "FASTXFER_NET_CHUNK_MB"]
+
+
+def test_a_rank_reporting_a_lost_host_is_noticed_by_the_launcher():
+    import io
+
+    from fastxfer.run import _HostWatch
+
+    out = io.StringIO()
+    text = ("step 1\n"
+            "fastxfer: rank 2: lost host h3, h4 (rank 6, 10): no heartbeat from it for 5.0 s across the network\n"
+            "fastxfer: rank 0: lost host h3 (rank 4): no heartbeat from it for 5.1 s across the network\n")
+    watch = _HostWatch([(io.StringIO(text), out)])
+    watch.join(5)
+    assert out.getvalue() == text
+    assert watch.heartbeat_lost == ["h3", "h4"] and watch.heartbeat_rank == 2 and watch.heartbeat_at is not None
+    assert not watch.lost_any
+
+
+def test_host_timeout_setting(monkeypatch):
+    import pytest
+
+    from fastxfer.comm.group import host_timeout
+    from fastxfer.errors import FastxferError
+
+    monkeypatch.delenv("FASTXFER_HOST_TIMEOUT", raising=False)
+    assert host_timeout() == 5.0
+    for text, want in (("0", 0.0), ("2.5", 2.5), (" 10 ", 10.0)):
+        monkeypatch.setenv("FASTXFER_HOST_TIMEOUT", text)
+        assert host_timeout() == want
+    for bad in ("-1", "soon"):
+        monkeypatch.setenv("FASTXFER_HOST_TIMEOUT", bad)
+        with pytest.raises(FastxferError, match="FASTXFER_HOST_TIMEOUT"):
+            host_timeout()
