@@ -70,6 +70,9 @@ class HierarchicalCollectives : public Collectives {
   void oob_allreduce(const Record& rec, const void* in, void* out, size_t n, DType dtype, ReduceOp op,
                      double postscale) override;
   void mark_exited(bool clean, const char* why, bool mismatch = false) override {
+    // After the collective shutdown nothing waits on the network: heartbeats stop (saying goodbye),
+    // so a peer process that exits before this one's engine is destroyed is not reported lost.
+    if (clean) beat_.reset();
     local_->mark_exited(clean, why, mismatch);
   }
   void set_engine_idle(bool idle) override { local_->set_engine_idle(idle); }
