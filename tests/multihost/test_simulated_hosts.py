@@ -99,24 +99,34 @@ def test_three_hosts_on_a_bridge():
         _check_link_bytes(_run(sim, 1, "wire_worker.py", size), 3, 3, size)
 
 
+def _start_training(sim, tmp_path):
+    """link_worker.py (allreduces and allgathers for up to 10 minutes, each rank's outcome in
+    tmp_path/out) on 2 hosts x 2 ranks; returns the launcher once every rank has started."""
+    import time
+
+    from _launch import start
+
+    out = tmp_path / "out"
+    out.mkdir()
+    p = start(sim.fastxfer_run(2, [sys.executable, os.path.join(WORKERS, "link_worker.py"), str(out), "600"]), env=ENV)
+    deadline = time.monotonic() + 120
+    seen = ""
+    while seen.count("STARTED") < 4 and time.monotonic() < deadline:
+        seen += p.stdout.readline()
+    assert seen.count("STARTED") == 4, seen
+    time.sleep(1)
+    return p
+
+
 def test_a_lost_host_fails_the_job_naming_it(tmp_path):
     """Every process of h2 killed mid-training: Open MPI tears the job down and exits 0 all the same;
     the launcher exits non-zero naming h2, within seconds, and h1 keeps no segment."""
     import time
 
-    from _launch import finish, start
+    from _launch import finish
 
-    loop = tmp_path / "loop.py"
-    loop.write_text("import numpy as np, fastxfer as fx\nfx.init()\nx = np.ones(1 << 18, np.float32)\n"
-                    "print('STARTED', fx.rank(), flush=True)\nwhile True:\n    fx.allreduce(x, op='sum', name='g')\n")
     with SimHosts(2) as sim:
-        p = start(sim.fastxfer_run(2, [sys.executable, str(loop)]), env=ENV)
-        deadline = time.monotonic() + 120
-        seen = ""
-        while seen.count("STARTED") < 4 and time.monotonic() < deadline:
-            seen += p.stdout.readline()
-        assert seen.count("STARTED") == 4, seen
-        time.sleep(1)
+        p = _start_training(sim, tmp_path)
         t = time.monotonic()
         sim.kill_host("h2")
         r = finish(p, timeout=120)
@@ -131,8 +141,6 @@ def test_a_lost_host_fails_the_job_naming_it(tmp_path):
 
 def _ranks_left(sim, host, marker):
     """Processes inside `host` whose command line holds `marker`."""
-    import subprocess
-
     r = subprocess.run(sim.command(host, ["ps", "-eo", "args"]), capture_output=True, text=True)
     return [line for line in r.stdout.splitlines() if marker in line and "ps -eo" not in line]
 
@@ -144,19 +152,11 @@ def test_a_link_that_goes_down_fails_every_rank_naming_the_other_host(tmp_path):
     naming h2; no rank is left running on either host and no segment on h1."""
     import time
 
-    from _launch import finish, start
+    from _launch import finish
 
-    out = tmp_path / "out"
-    out.mkdir()
     with SimHosts(2) as sim:
-        worker = os.path.join(WORKERS, "link_worker.py")
-        p = start(sim.fastxfer_run(2, [sys.executable, worker, str(out), "600"]), env=ENV)
-        deadline = time.monotonic() + 120
-        seen = ""
-        while seen.count("STARTED") < 4 and time.monotonic() < deadline:
-            seen += p.stdout.readline()
-        assert seen.count("STARTED") == 4, seen
-        time.sleep(1)
+        p = _start_training(sim, tmp_path)
+        out = tmp_path / "out"
         down = time.time()
         assert subprocess.run(sim.command("h2", ["ip", "link", "set", "eth0", "down"])).returncode == 0
         r = finish(p, timeout=120)
