@@ -44,14 +44,6 @@ class PyInterHost : public InterHost {
     py::gil_scoped_acquire gil;
     impl_.attr("allreduce_shard")(view(buf, n * dtype_size(dtype)), dtype_name(dtype), op_name(op));
   }
-  int64_t min_all(int64_t v) override {
-    py::gil_scoped_acquire gil;
-    return impl_.attr("min_all")(v).cast<int64_t>();
-  }
-  std::vector<uint64_t> allgather_u64(uint64_t v) override {
-    py::gil_scoped_acquire gil;
-    return impl_.attr("allgather_u64")(v).cast<std::vector<uint64_t>>();
-  }
   std::vector<std::vector<char>> allgather_bytes(const std::vector<char>& mine) override {
     py::gil_scoped_acquire gil;
     py::list got = impl_.attr("allgather_bytes")(py::bytes(mine.data(), mine.size()));

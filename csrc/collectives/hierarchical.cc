@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <sstream>
 
@@ -19,13 +20,16 @@ namespace fastxfer {
 namespace {
 
 // Hash of what ranks must agree on: compare_records' fields. allgather's and alltoall's first
-// dimension and element count may differ per rank, so they are left out.
-uint64_t digest(const std::vector<Record>& recs, size_t m) {
+// dimension and element count may differ per rank, so they are left out. Running: out[i] covers
+// the first i records (out[0]: none), so ranks with lists of different lengths can compare any
+// common prefix.
+std::vector<uint64_t> running_digests(const std::vector<Record>& recs, size_t m) {
   uint64_t h = 1469598103934665603ull;
   auto mix = [&](const void* p, size_t n) {
     const unsigned char* c = static_cast<const unsigned char*>(p);
     for (size_t i = 0; i < n; ++i) h = (h ^ c[i]) * 1099511628211ull;
   };
+  std::vector<uint64_t> out{h};
   for (size_t i = 0; i < m; ++i) {
     const Record& r = recs[i];
     mix(&r.name_hash, sizeof r.name_hash);
@@ -40,8 +44,9 @@ uint64_t digest(const std::vector<Record>& recs, size_t m) {
     mix(&r.postscale, sizeof r.postscale);
     mix(&r.bucket_cap, sizeof r.bucket_cap);
     if (!first_dim_may_differ(static_cast<CollectiveKind>(r.kind))) mix(&r.numel, sizeof r.numel);
+    out.push_back(h);
   }
-  return h;
+  return out;
 }
 
 }  // namespace
@@ -261,44 +266,56 @@ std::vector<std::vector<Record>> HierarchicalCollectives::exchange(const std::ve
   for (size_t j = 1; j < local.size() && local_ok; ++j)
     for (size_t i = 0; i < m && local_ok; ++i)
       local_ok = compare_records(local[0][i], 0, local[j][i], static_cast<int>(j)).empty();
-  // 2. Across hosts: the shortest agreed prefix anywhere (-1: some host disagrees inside), then
-  //    whether everyone's prefix is the same. Every rank takes part in every step, so a
-  //    disagreement anywhere becomes a MismatchError everywhere (with global rank numbers).
-  //    Both steps in one job on the lane: one hand-off per round.
-  struct Agreement {
-    int64_t agreed = 0;
-    std::vector<uint64_t> digests;
-  };
-  auto box = std::make_shared<Agreement>();
-  on_lane([inter, box, mine, v = local_ok ? static_cast<int64_t>(m) : -1] {
-    box->agreed = inter->min_all(v);
-    if (box->agreed >= 0) box->digests = inter->allgather_u64(digest(mine, static_cast<size_t>(box->agreed)));
-  });
-  const int64_t agreed = box->agreed;
-  if (agreed < 0) return gather_all(mine);
-  std::vector<Record> prefix(mine.begin(), mine.begin() + agreed);
-  const std::vector<uint64_t>& digests = box->digests;
-  for (uint64_t d : digests)
-    if (d != digests[0]) return gather_all(prefix);
-  // 3. Identical everywhere. allgather needs every rank's size: fetch those few numbers.
-  std::vector<size_t> gathers;
-  for (size_t i = 0; i < prefix.size(); ++i)
-    if (static_cast<CollectiveKind>(prefix[i].kind) == CollectiveKind::kAllgather) gathers.push_back(i);
-  std::vector<std::vector<Record>> all(inter_->size(), prefix);
-  if (!gathers.empty()) {
-    std::vector<char> mine_sizes(gathers.size() * 2 * sizeof(int64_t));
-    for (size_t k = 0; k < gathers.size(); ++k) {
-      int64_t v[2] = {prefix[gathers[k]].numel, prefix[gathers[k]].ndim > 0 ? prefix[gathers[k]].shape[0] : 1};
-      std::memcpy(mine_sizes.data() + k * sizeof v, v, sizeof v);
+  // 2. Across hosts, in one allgather: each rank's count (-1: its host disagrees inside) and, for
+  //    each of its first `count` records, the running digest and its element count and first
+  //    dimension (what an allgather needs of every rank). The agreed prefix is the shortest count
+  //    anywhere; it runs if every rank's digest of it is the same. Every rank takes part in every
+  //    step, so a disagreement anywhere becomes a MismatchError everywhere (with global rank
+  //    numbers, from a second allgather of the records themselves).
+  const size_t k = local_ok ? m : 0;
+  const std::vector<uint64_t> dig = running_digests(mine, k);
+  std::vector<int64_t> words(1 + 3 * k);
+  words[0] = local_ok ? static_cast<int64_t>(m) : -1;
+  for (size_t i = 0; i < k; ++i) {
+    std::memcpy(&words[1 + 3 * i], &dig[i + 1], sizeof(uint64_t));
+    words[2 + 3 * i] = mine[i].numel;
+    words[3 + 3 * i] = mine[i].ndim > 0 ? mine[i].shape[0] : 1;
+  }
+  std::vector<char> payload(words.size() * sizeof(int64_t));
+  std::memcpy(payload.data(), words.data(), payload.size());
+  const std::vector<std::vector<char>> got = allgather_bytes(std::move(payload));
+  const size_t n = got.size();
+  std::vector<std::vector<int64_t>> theirs(n);
+  int64_t agreed = std::numeric_limits<int64_t>::max();
+  for (size_t j = 0; j < n; ++j) {
+    theirs[j].resize(got[j].size() / sizeof(int64_t));
+    std::memcpy(theirs[j].data(), got[j].data(), theirs[j].size() * sizeof(int64_t));
+    const int64_t c = theirs[j].empty() ? -1 : theirs[j][0];
+    if (c < 0 || theirs[j].size() != 1 + 3 * static_cast<size_t>(c)) {
+      agreed = -1;
+      break;
     }
-    auto sizes = allgather_bytes(std::move(mine_sizes));
-    for (size_t j = 0; j < sizes.size(); ++j)
-      for (size_t k = 0; k < gathers.size(); ++k) {
-        int64_t v[2];
-        std::memcpy(v, sizes[j].data() + k * sizeof v, sizeof v);
-        all[j][gathers[k]].numel = v[0];
-        if (all[j][gathers[k]].ndim > 0) all[j][gathers[k]].shape[0] = v[1];
-      }
+    agreed = std::min(agreed, c);
+  }
+  if (agreed < 0) return gather_all(mine);
+  const size_t a = static_cast<size_t>(agreed);
+  std::vector<Record> prefix(mine.begin(), mine.begin() + a);
+  auto digest_of = [&](size_t j) {
+    if (a == 0) return dig[0];
+    uint64_t d;
+    std::memcpy(&d, &theirs[j][1 + 3 * (a - 1)], sizeof d);
+    return d;
+  };
+  for (size_t j = 1; j < n; ++j)
+    if (digest_of(j) != digest_of(0)) return gather_all(prefix);
+  // 3. Identical everywhere. An allgather takes every rank's own sizes.
+  std::vector<std::vector<Record>> all(n, prefix);
+  for (size_t i = 0; i < a; ++i) {
+    if (static_cast<CollectiveKind>(prefix[i].kind) != CollectiveKind::kAllgather) continue;
+    for (size_t j = 0; j < n; ++j) {
+      all[j][i].numel = theirs[j][2 + 3 * i];
+      if (all[j][i].ndim > 0) all[j][i].shape[0] = theirs[j][3 + 3 * i];
+    }
   }
   return all;
 }

@@ -21,8 +21,6 @@ class InterHost {
   // bf16/fp16 buffers hold wire values; sums round at each step (as NCCL's 16-bit allreduce does).
   virtual void allreduce_shard(void* buf, size_t n, DType dtype, ReduceOp op) = 0;
   // Over all ranks:
-  virtual int64_t min_all(int64_t v) = 0;
-  virtual std::vector<uint64_t> allgather_u64(uint64_t v) = 0;
   virtual std::vector<std::vector<char>> allgather_bytes(const std::vector<char>& mine) = 0;
   virtual void broadcast(void* buf, size_t nbytes, int root) = 0;
   virtual void allgatherv(const void* in, void* out, const std::vector<size_t>& bytes) = 0;

@@ -126,6 +126,7 @@ class SimHosts:
             for name in self.names:
                 self.procs.append(self._spawn(name, shm=True))
             self._connect()
+            self._wait_for_links()
             self._write_agent()
         except BaseException:
             self.down()
@@ -154,6 +155,23 @@ class SimHosts:
             _run(["nsenter", "-t", sw, "-n", "ip", "link", "set", port, "master", "br0"])
             _run(["nsenter", "-t", sw, "-n", "ip", "link", "set", port, "up"])
             self._address(i)
+
+    def _wait_for_links(self, timeout: float = 20.0) -> None:
+        """Until every host's eth0 has its carrier (state UP, both ends up): a job launched before
+        that saw mpirun's daemon on h2 fail to connect back ("A daemon failed to report back")."""
+        if self.n == 1:
+            return
+        deadline = time.monotonic() + timeout
+        waiting = list(range(self.n))
+        while waiting:
+            waiting = [i for i in waiting
+                       if " UP " not in _run(["nsenter", "-t", str(self.procs[i].pid), "-n", "ip", "-br", "link", "show",
+                                              "eth0"]).stdout + " "]
+            if waiting and time.monotonic() > deadline:
+                raise RuntimeError(f"simulated hosts: the link of {', '.join(self.names[i] for i in waiting)} did not "
+                                   f"come up within {timeout:g} s")
+            if waiting:
+                time.sleep(0.05)
 
     def _address(self, i: int) -> None:
         pid = str(self.procs[i].pid)

@@ -140,12 +140,6 @@ class MPIInterHost:
                 np.add(mine, pieces[j], out=mine)  # integers wrap modulo 2^bits
         comm.Allgatherv([np.ascontiguousarray(mine).view(np.uint8), MPI.BYTE], [x, (b, d), MPI.BYTE])
 
-    def min_all(self, v: int) -> int:
-        return self.world.allreduce(int(v), op=self._MPI.MIN)
-
-    def allgather_u64(self, v: int) -> list[int]:
-        return self.world.allgather(int(v))
-
     def allgather_bytes(self, b: bytes) -> list[bytes]:
         return self.world.allgather(bytes(b))
 
