@@ -81,20 +81,25 @@ def _int_env(names: list[str]) -> int | None:
     return None
 
 
-def host_timeout() -> float:
-    """FASTXFER_HOST_TIMEOUT (seconds, default 5): across hosts, every rank exchanges UDP heartbeats
-    with its counterparts on the other hosts, and one not heard from for this long is lost: every
-    collective waiting on the network raises PeerFailureError naming its host, instead of blocking
-    until TCP gives up (minutes). 0 turns heartbeats off (docs/multihost.md, "Host failures")."""
-    v = os.environ.get("FASTXFER_HOST_TIMEOUT", "").strip()
+def _float_env_or_off(name: str, default: float) -> float:
+    """A positive number from the environment, `default` when unset, 0.0 for "0" (turned off)."""
+    v = os.environ.get(name, "").strip()
     if v == "":
-        return 5.0
+        return default
     try:
         if float(v) == 0:
             return 0.0
     except ValueError:
         pass
-    return _float_env("FASTXFER_HOST_TIMEOUT", 5.0)
+    return _float_env(name, default)
+
+
+def host_timeout() -> float:
+    """FASTXFER_HOST_TIMEOUT (seconds, default 5): across hosts, every rank exchanges UDP heartbeats
+    with its counterparts on the other hosts, and one not heard from for this long is lost: every
+    collective waiting on the network raises PeerFailureError naming its host, instead of blocking
+    until TCP gives up (minutes). 0 turns heartbeats off (docs/multihost.md, "A link that goes down")."""
+    return _float_env_or_off("FASTXFER_HOST_TIMEOUT", 5.0)
 
 
 def net_chunk_bytes() -> int:
@@ -103,15 +108,7 @@ def net_chunk_bytes() -> int:
     shared-memory stages; 0 turns the overlap off (one network call per half window, on the
     engine thread). Measured on simulated hosts: 20-28% faster where the link is the bottleneck
     (2x2 on a 1 Gbit/s link), the same within noise where the CPU is (docs/algorithms.md)."""
-    v = os.environ.get("FASTXFER_NET_CHUNK_MB", "").strip()
-    if v == "":
-        return 1 << 20
-    try:
-        if float(v) == 0:
-            return 0
-    except ValueError:
-        pass
-    return int(_float_env("FASTXFER_NET_CHUNK_MB", 1) * (1 << 20))
+    return int(_float_env_or_off("FASTXFER_NET_CHUNK_MB", 1) * (1 << 20))
 
 
 def _float_env(name: str, default: float) -> float:
