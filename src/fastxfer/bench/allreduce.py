@@ -50,7 +50,9 @@ def _sizes(b: int, e: int, f: int) -> list[int]:
 
 
 def _launch(impl: str, np_: int, sizes: list[int], scale: float, tmp: str,
-            collectives: tuple[str, ...] = COLLECTIVES, bind: str = "none") -> tuple[list[dict], str | None]:
+            collectives: tuple[str, ...] = COLLECTIVES, bind: str = "none"
+            ) -> tuple[list[dict], str | None, dict[str, str]]:
+    """One peer's sweep: (rows, why it did not run or None, {row label: why that row was left out})."""
     out = os.path.join(tmp, f"{impl}-{np_}")
     worker = worker_command("allreduce_worker", "--impl", impl, "--sizes", ",".join(map(str, sizes)),
                             "--iters-scale", str(scale), "--out", out, "--collectives", ",".join(collectives))
@@ -58,7 +60,7 @@ def _launch(impl: str, np_: int, sizes: list[int], scale: float, tmp: str,
     if impl == "mpi4py":
         mpirun = shutil.which("mpirun")
         if mpirun is None:
-            return [], "mpirun not on PATH"
+            return [], "mpirun not on PATH", {}
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1")
         cmd = [mpirun, "-np", str(np_), "--bind-to", "none"] + worker
     else:
@@ -75,13 +77,13 @@ def _launch(impl: str, np_: int, sizes: list[int], scale: float, tmp: str,
             remove_deepspeed_segments(env["BENCH_PORT"], np_)
     if r.returncode != 0:
         tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
-        return [], f"failed (exit {r.returncode}): {' | '.join(tail)}"
+        return [], f"failed (exit {r.returncode}): {' | '.join(tail)}", {}
     per_rank = read_results(out, np_)
     if len(per_rank) != np_:
-        return [], f"only {len(per_rank)} of {np_} ranks wrote results"
+        return [], f"only {len(per_rank)} of {np_} ranks wrote results", {}
     skips = sorted({p["skip"] for p in per_rank if "skip" in p})
     if skips:
-        return [], "; ".join(skips)
+        return [], "; ".join(skips), {}
     rows = []
     for i, row in enumerate(per_rank[0]["results"]):
         row = dict(row)
@@ -90,7 +92,7 @@ def _launch(impl: str, np_: int, sizes: list[int], scale: float, tmp: str,
         rows.append(row)
     if impl == "fastxfer":
         rows[0]["engine_stats"] = per_rank[0]["stats"]
-    return rows, None
+    return rows, None, per_rank[0].get("row_skips", {})
 
 
 def remove_deepspeed_segments(port, np_: int) -> list[str]:
@@ -148,10 +150,14 @@ def run(np_: int = 2, b: int = 1 << 10, e: int = 64 << 20, f: int = 4, scale: fl
             if impl == "deepspeed":
                 status("deepspeed: the first run JIT-builds its shm extension with ninja (a minute or two)")
             status(f"{impl}: {np_} ranks, {len(sizes)} sizes {sizes[0]}..{sizes[-1]} bytes")
-            got, err = _launch(impl, np_, sizes, scale, tmp, collectives, bind)
+            got, err, left_out = _launch(impl, np_, sizes, scale, tmp, collectives, bind)
             if err:
                 skipped[impl] = err
                 status(f"{impl}: {err}")
+            # rows a peer left out while running its others (DeepSpeed's bf16 kernel without AVX-512BW)
+            for label, why in left_out.items():
+                skipped[label] = why
+                status(f"{label}: {why}")
             rows.extend(got)
     for r in rows:
         r["algbw"] = r["bytes"] / r["p50"] / GB

@@ -129,11 +129,13 @@ def time_sweep(rank, size, sizes, scale, barrier, ops, dtypes=None, wire: bool =
     return results
 
 
-def run_deepspeed(sizes: list[int], scale: float) -> tuple[int, int, list[dict] | None, str | None]:
+def run_deepspeed(sizes: list[int], scale: float) -> tuple[int, int, list[dict] | None, str | None, dict]:
     """DeepSpeed's shared-memory allreduce (deepspeed.comm.inference_all_reduce, in place) on float32
-    and bfloat16 torch tensors. Returns (rank, size, results, None), or (rank, size, None, reason)
-    when DeepSpeed would not run its shared-memory kernel here (it would silently fall back to
-    torch.distributed's gloo allreduce, which is another row)."""
+    and bfloat16 torch tensors. Returns (rank, size, results, None, row_skips), or (rank, size, None,
+    reason, {}) when DeepSpeed would not run its shared-memory kernel here at all (it would silently
+    fall back to torch.distributed's gloo allreduce, which is another row). `row_skips` names the
+    rows left out and why: on a CPU without AVX-512BW its float32 kernel runs (AVX2) and its
+    bf16 one does not, so only the bf16 row goes."""
     rank, size = int(os.environ["FASTXFER_RANK"]), int(os.environ["FASTXFER_SIZE"])
     # Each rank on a core of its own, as DeepSpeed is meant to run: its ranks spin on shared flags,
     # and two spinning ranks time-sliced on one core took 7 ms instead of 0.15 ms for 1 MiB here.
@@ -152,17 +154,26 @@ def run_deepspeed(sizes: list[int], scale: float) -> tuple[int, int, list[dict] 
         import deepspeed.comm as dist
         from deepspeed.accelerator import get_accelerator
     except Exception as e:  # noqa: BLE001 - report why the peer cannot run
-        return rank, size, None, f"import deepspeed failed: {type(e).__name__}: {e}"
+        return rank, size, None, f"import deepspeed failed: {type(e).__name__}: {e}", {}
     if get_accelerator().device_name() != "cpu":
-        return rank, size, None, f"DeepSpeed chose the {get_accelerator().device_name()!r} accelerator, not 'cpu'"
+        return (rank, size, None, f"DeepSpeed chose the {get_accelerator().device_name()!r} accelerator, not 'cpu'",
+                {})
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, dist_init_required=True)
     backend = dist.comm.cdb
     level = getattr(backend, "shm_vector_kernel_level", 0)
     if getattr(backend, "shm_comm_op", None) is None or not hasattr(torch.ops.deepspeed, "inference_all_reduce_"):
         return rank, size, None, ("DeepSpeed's shm extension (ShareMemCommBuilder) did not build or load; "
-                                  "inference_all_reduce would be torch gloo")
+                                  "inference_all_reduce would be torch gloo"), {}
+    # DeepSpeed's own rule (deepspeed/comm/torch.py): its float32 kernel needs vector level 1 (AVX2),
+    # its bf16/fp16 ones level 2 (AVX-512BW); below that it quietly calls gloo instead.
+    if level < 1:
+        return rank, size, None, f"DeepSpeed's shm kernels need AVX2 (vector level {level})", {}
+    ops = {"deepspeed fp32": None, "deepspeed bf16": None}
+    row_skips = {}
     if level < 2:
-        return rank, size, None, f"DeepSpeed's shm kernels need AVX-512BW for bf16 (vector level {level})"
+        del ops["deepspeed bf16"]
+        row_skips["deepspeed bf16"] = (f"DeepSpeed's bf16 shm kernel needs AVX-512BW (vector level {level} here); "
+                                       "its float32 one ran")
 
     def op(x, out):
         t = torch.from_numpy(x) if x.dtype == F32 else torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
@@ -170,11 +181,11 @@ def run_deepspeed(sizes: list[int], scale: float) -> tuple[int, int, list[dict] 
         return x
     # In place: every timed call sums the previous result again, doubling the small integers; the
     # values stay exact (powers of two times the first result) and far from overflow for <= 64 calls.
-    results = time_sweep(rank, size, sizes, scale, dist.barrier, {"deepspeed fp32": op, "deepspeed bf16": op},
+    results = time_sweep(rank, size, sizes, scale, dist.barrier, {label: op for label in ops},
                          {"deepspeed bf16": BF16})
     dist.barrier()
     dist.destroy_process_group()
-    return rank, size, results, None
+    return rank, size, results, None, row_skips
 
 
 def _supported(ops: dict, collectives, size: int) -> dict:
@@ -265,7 +276,7 @@ def run(impl: str, sizes: list[int], scale: float, out: str, collectives=COLLECT
                              wire=wire)
         stats = {}
     elif impl == "deepspeed":
-        rank, size, results, skip = run_deepspeed(sizes, scale)
+        rank, size, results, skip, row_skips = run_deepspeed(sizes, scale)
         if skip is not None:
             write_result(out, rank, {"rank": rank, "size": size, "skip": skip})
             return
@@ -278,7 +289,8 @@ def run(impl: str, sizes: list[int], scale: float, out: str, collectives=COLLECT
         results = time_sweep(rank, size, sizes, scale, lambda: hvd.allreduce(np.zeros(1)),
                              {"horovod": lambda x, o: hvd.allreduce(x, op=hvd.Sum)})
         stats = {}
-    write_result(out, rank, {"rank": rank, "size": size, "results": results, "stats": stats})
+    write_result(out, rank, {"rank": rank, "size": size, "results": results, "stats": stats,
+                             **({"row_skips": row_skips} if impl == "deepspeed" and row_skips else {})})
 
 
 def main(argv: list[str] | None = None) -> None:
