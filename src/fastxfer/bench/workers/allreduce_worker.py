@@ -1,6 +1,7 @@
 """One rank of ``fastxfer bench allreduce``: sweeps the message sizes with one implementation
 (fastxfer, torch gloo, mpi4py, Horovod or DeepSpeed's shared-memory allreduce) and writes its
-timings and #wrong to ``OUT.<rank>`` (or ``{"skip": reason}`` when the peer cannot run here).
+timings and #wrong to ``OUT.<rank>`` (or ``{"skip": reason}`` when the peer cannot run here; ``row_skips``
+names the rows it left out while running the others).
 
 Started by the driver under ``fastxfer run`` (mpirun for mpi4py), e.g.
 ``python -m fastxfer.bench.workers.allreduce_worker --impl fastxfer --sizes 1024,4096 --out /tmp/r``.
@@ -168,10 +169,10 @@ def run_deepspeed(sizes: list[int], scale: float) -> tuple[int, int, list[dict] 
     # its bf16/fp16 ones level 2 (AVX-512BW); below that it quietly calls gloo instead.
     if level < 1:
         return rank, size, None, f"DeepSpeed's shm kernels need AVX2 (vector level {level})", {}
-    ops = {"deepspeed fp32": None, "deepspeed bf16": None}
+    labels = ["deepspeed fp32", "deepspeed bf16"]
     row_skips = {}
     if level < 2:
-        del ops["deepspeed bf16"]
+        labels.remove("deepspeed bf16")
         row_skips["deepspeed bf16"] = (f"DeepSpeed's bf16 shm kernel needs AVX-512BW (vector level {level} here); "
                                        "its float32 one ran")
 
@@ -181,7 +182,7 @@ def run_deepspeed(sizes: list[int], scale: float) -> tuple[int, int, list[dict] 
         return x
     # In place: every timed call sums the previous result again, doubling the small integers; the
     # values stay exact (powers of two times the first result) and far from overflow for <= 64 calls.
-    results = time_sweep(rank, size, sizes, scale, dist.barrier, {label: op for label in ops},
+    results = time_sweep(rank, size, sizes, scale, dist.barrier, {label: op for label in labels},
                          {"deepspeed bf16": BF16})
     dist.barrier()
     dist.destroy_process_group()
@@ -212,6 +213,8 @@ def run(impl: str, sizes: list[int], scale: float, out: str, collectives=COLLECT
     """`only`: the rows (labels) to run, all where empty; `wire`: count each host's link bytes."""
     def keep(ops: dict) -> dict:
         return {k: v for k, v in ops.items() if not only or k in only}
+
+    row_skips: dict[str, str] = {}  # rows a peer left out while running the others, and why
 
     if impl == "fastxfer":
         import fastxfer as fx
@@ -290,7 +293,7 @@ def run(impl: str, sizes: list[int], scale: float, out: str, collectives=COLLECT
                              {"horovod": lambda x, o: hvd.allreduce(x, op=hvd.Sum)})
         stats = {}
     write_result(out, rank, {"rank": rank, "size": size, "results": results, "stats": stats,
-                             **({"row_skips": row_skips} if impl == "deepspeed" and row_skips else {})})
+                             **({"row_skips": row_skips} if row_skips else {})})
 
 
 def main(argv: list[str] | None = None) -> None:
