@@ -7,44 +7,71 @@ type or dtype, ``ValueError`` for a wrong value, layout or size.
 
 from __future__ import annotations
 
-import ml_dtypes
+import sys
+from collections.abc import Iterator, Mapping
+
 import numpy as np
 
+
+class _Dtypes(Mapping):
+    """Name -> numpy dtype, with ml_dtypes' bfloat16 imported on first use. ml_dtypes takes about a
+    second to import (registering its types with numpy), which `fastxfer run` and every worker that
+    never sees a 16-bit brain float would pay at `import fastxfer`; an array of that dtype cannot
+    exist before ml_dtypes is imported, so nothing is missed by waiting."""
+
+    def __init__(self, names: dict[str, str]):
+        self._names = names  # name -> numpy's name of the dtype (or "bfloat16")
+        self._cache: dict[str, np.dtype] = {}
+
+    def __getitem__(self, name: str) -> np.dtype:
+        dt = self._cache.get(name)
+        if dt is None:
+            numpy_name = self._names[name]  # KeyError for an unknown name, as a dict
+            if numpy_name == "bfloat16":
+                import ml_dtypes
+
+                dt = np.dtype(ml_dtypes.bfloat16)
+            else:
+                dt = np.dtype(numpy_name)
+            self._cache[name] = dt
+        return dt
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
 # dtypes the engine reduces, by the name the native core uses
-DTYPES: dict[str, np.dtype] = {
-    "float32": np.dtype(np.float32),
-    "float64": np.dtype(np.float64),
-    "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "int32": np.dtype(np.int32),
-    "int64": np.dtype(np.int64),
-    "uint8": np.dtype(np.uint8),
-    "int8": np.dtype(np.int8),
-    "uint16": np.dtype(np.uint16),
-    "int16": np.dtype(np.int16),
-    "bool": np.dtype(np.bool_),
-}
+DTYPES: Mapping[str, np.dtype] = _Dtypes({n: n for n in (
+    "float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8", "int8", "uint16", "int16", "bool")})
 OPS: tuple[str, ...] = ("sum", "average", "min", "max", "product")
 COMPRESSIONS: tuple[str, ...] = ("none", "bf16", "fp16")
 # what a compressed float32 value travels as
-WIRE_DTYPES: dict[str, np.dtype] = {"bf16": DTYPES["bfloat16"], "fp16": DTYPES["float16"]}
+WIRE_DTYPES: Mapping[str, np.dtype] = _Dtypes({"bf16": "bfloat16", "fp16": "float16"})
 _WIRE_ALIASES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}
 BUCKET_CAP_MB_RANGE = (1.0 / 1024, 4096.0)
+
+
+def is_bfloat16(dt: np.dtype) -> bool:
+    """Whether ``dt`` is ml_dtypes' bfloat16, without importing ml_dtypes (no such array exists before)."""
+    return "ml_dtypes" in sys.modules and dt == DTYPES["bfloat16"]
 
 
 def numpy_dtype(dtype) -> np.dtype:
     """The supported numpy dtype for a name or dtype-like; TypeError naming the supported ones."""
     try:
         dt = np.dtype(dtype)
-    except TypeError:
-        dt = None
+    except TypeError:  # "bfloat16" is a name numpy learns when ml_dtypes is imported
+        dt = DTYPES["bfloat16"] if isinstance(dtype, str) and dtype == "bfloat16" else None
     if dt is None or dt.name not in DTYPES or DTYPES[dt.name] != dt:
         name = getattr(dt, "name", dtype)
         raise TypeError(f"unsupported dtype {name!r}: expected one of {', '.join(DTYPES)}")
     return dt
 
 
-_SUPPORTED = frozenset(DTYPES.values())
+_SUPPORTED = frozenset(DTYPES[n] for n in DTYPES if n != "bfloat16")  # the one lazy dtype is checked apart
 
 
 def array(x, what: str = "array") -> np.ndarray:
@@ -56,7 +83,8 @@ def array(x, what: str = "array") -> np.ndarray:
             a = np.asarray(x)
         except Exception as e:  # noqa: BLE001 - report what numpy said
             raise TypeError(f"{what} must be a numpy array or array-like: {e}") from None
-    if a.dtype not in _SUPPORTED:  # a set lookup: numpy's dtype.name is slow Python (every call pays it)
+    # a set lookup: numpy's dtype.name is slow Python (every call pays it)
+    if a.dtype not in _SUPPORTED and not is_bfloat16(a.dtype):
         raise TypeError(f"{what} has dtype {a.dtype.name}; fastxfer moves {', '.join(DTYPES)}")
     return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 

@@ -23,7 +23,16 @@ def _bench(args: argparse.Namespace) -> int:
     return importlib.import_module(f"fastxfer.bench.{args.bench}").main(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _bench_named(argv: list[str]) -> str | None:
+    """The benchmark a `fastxfer bench NAME ...` command line names, else None."""
+    words = [a for a in argv if not a.startswith("-")]
+    return words[1] if len(words) > 1 and words[0] == "bench" else None
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The whole command line parser. A benchmark's own arguments are added only when ``argv`` runs
+    that benchmark (every one's for ``argv=None``): importing them all cost every `fastxfer run` a
+    second (ml_dtypes, through the compression benchmark)."""
     import fastxfer
 
     p = argparse.ArgumentParser(prog="fastxfer", description="fast data-parallel training for TensorFlow / Keras 3")
@@ -55,7 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = bench.add_subparsers(dest="bench", required=True)
     import importlib
 
+    named = None if argv is None else _bench_named(argv)
     for name, help_text in BENCHMARKS.items():
+        if argv is not None and name != named:
+            bsub.add_parser(name, help=help_text)  # listed in `fastxfer bench --help`; not what runs
+            continue
         mod = importlib.import_module(f"fastxfer.bench.{name}")
         mod.add_arguments(bsub.add_parser(name, help=help_text, description=mod.__doc__,
                                           formatter_class=argparse.RawDescriptionHelpFormatter))
@@ -64,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     return args.func(args)
 
 

@@ -35,7 +35,7 @@ def decompress(array: np.ndarray, out: np.ndarray | None = None, threads: int | 
     """Widen a bfloat16 or float16 array back to float32 (exact)."""
     if not isinstance(array, np.ndarray):
         raise TypeError(f"array must be a numpy.ndarray, not {type(array).__name__}")
-    kind = next((k for k, dt in check.WIRE_DTYPES.items() if array.dtype == dt), None)
+    kind = "fp16" if array.dtype == check.WIRE_DTYPES["fp16"] else "bf16" if check.is_bfloat16(array.dtype) else None
     if kind is None:
         raise TypeError(f"array must have dtype bfloat16 or float16, not {array.dtype.name}")
     array = check.exact_array(array, array.dtype, "array")

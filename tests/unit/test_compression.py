@@ -304,3 +304,44 @@ def test_env_rejects_unknown_level(tmp_path):
 def test_set_level_rejects_unknown_name():
     with pytest.raises(ValueError, match="expected one of scalar, avx2, avx512, avx512bf16"):
         _core._set_simd_level("sse9")
+
+
+def test_ml_dtypes_is_imported_only_when_a_bfloat16_is_first_needed():
+    """`import fastxfer` (every `fastxfer run` and every worker) does not pay ml_dtypes' import; float32,
+    float16 and the name "bfloat16" still work, and a bf16 result is ml_dtypes' bfloat16."""
+    code = """
+import sys
+import numpy as np
+import fastxfer as fx
+from fastxfer import _validate
+loaded = lambda: "ml_dtypes" in sys.modules
+assert not loaded(), "import fastxfer imported ml_dtypes"
+fx.init()
+assert fx.allreduce(np.arange(4, dtype=np.float32)).tolist() == [0, 1, 2, 3]
+h = fx.compress(np.array([1.5, -2.0], np.float32), "fp16")
+assert fx.decompress(h).tolist() == [1.5, -2.0] and not loaded()
+try:
+    fx.allreduce(np.float16([1.0]), prescale=2.0)
+except ValueError as e:
+    assert "float16" in str(e), str(e)
+else:
+    raise AssertionError("prescale on a float16 array was accepted")
+assert not loaded(), "a float16 array imported ml_dtypes"
+assert list(_validate.DTYPES)[3] == "bfloat16" and len(_validate.DTYPES) == 11
+assert _validate.numpy_dtype("bfloat16").name == "bfloat16" and loaded()
+import ml_dtypes
+b = fx.compress(np.array([1.0, 3.0], np.float32), "bf16")
+assert b.dtype == np.dtype(ml_dtypes.bfloat16) and fx.decompress(b).tolist() == [1.0, 3.0]
+assert fx.allreduce(b).astype(np.float32).tolist() == [1.0, 3.0]
+try:
+    fx.allreduce(np.zeros(2, ml_dtypes.float8_e4m3fn))
+except TypeError as e:
+    assert "float8_e4m3fn" in str(e) and "bfloat16" in str(e), str(e)
+else:
+    raise AssertionError("a float8 array was accepted")
+fx.shutdown()
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={k: v for k, v in os.environ.items() if not k.startswith("FASTXFER_")})
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr

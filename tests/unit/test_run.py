@@ -91,3 +91,22 @@ def test_host_timeout_setting(monkeypatch):
         monkeypatch.setenv("FASTXFER_HOST_TIMEOUT", bad)
         with pytest.raises(FastxferError, match="FASTXFER_HOST_TIMEOUT"):
             host_timeout()
+
+
+def test_launcher_imports_neither_benchmarks_nor_ml_dtypes():
+    """`fastxfer run` starts every job: it must not pay for the benchmarks' imports (ml_dtypes alone
+    took a second); `fastxfer bench NAME` still gets NAME's own arguments, and `bench --help` lists all."""
+    import sys
+
+    code = ("import sys; from fastxfer import cli; rc = cli.main(['run', '-np', '1', '--', sys.executable, '-c', "
+            "'pass']); print(rc, sorted(m for m in sys.modules if m == 'ml_dtypes' or m.startswith('fastxfer.bench')))")
+    r = run_command([sys.executable, "-c", code], timeout=60, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "0 []", r.stdout + r.stderr
+    r = run_command(fastxfer_cmd() + ["bench", "--help"], timeout=60, cwd=ROOT)
+    from fastxfer.cli import BENCHMARKS
+
+    assert r.returncode == 0 and all(name in r.stdout for name in BENCHMARKS), r.stdout
+    r = run_command(fastxfer_cmd() + ["bench", "compress", "--help"], timeout=60, cwd=ROOT)
+    assert r.returncode == 0 and "--pack-mb" in r.stdout, r.stdout + r.stderr
+    r = run_command(fastxfer_cmd() + ["bench", "compress", "--no-such-option"], timeout=60, cwd=ROOT)
+    assert r.returncode == 2 and "unrecognized arguments: --no-such-option" in r.stderr, r.stderr

@@ -177,7 +177,7 @@ def allreduce_settings(dtype, op, compression, prescale, postscale, bucket_cap_m
             raise TypeError("op='average' needs a numeric dtype, not bool: sum is a logical or, min a logical and")
         if prescale != 1.0 or postscale != 1.0:
             raise TypeError(f"{dtype.name} arrays cannot be scaled")
-    if dtype in (check.DTYPES["float16"], check.DTYPES["bfloat16"]) and prescale != 1.0:
+    if prescale != 1.0 and (dtype == check.DTYPES["float16"] or check.is_bfloat16(dtype)):
         raise ValueError(f"prescale is not supported for {dtype.name} arrays (scale in float32 first)")
     if op == "average" and divide:
         post = postscale / (group.size() if size is None else size)
