@@ -23,6 +23,10 @@ SMALL_BUFFERS = {
     "FASTXFER_STREAM_MIN_MB": "0.001",  # exercise the streaming-store paths too
 }
 
+# the modes keras_worker.py's `fit` runs in the shared Keras jobs (conftest.py: keras_job, legacy_keras_job)
+KERAS_FIT_MODES = "graph,eager,jit,accum,bf16comm,mixed_bfloat16,mixed_float16"
+LEGACY_FIT_MODES = "graph,eager,bf16comm,accum,mixed_float16"
+
 
 def fastxfer_cmd():
     exe = shutil.which("fastxfer")

@@ -91,3 +91,33 @@ def _corrupt_record(path, record: int, at: int = 50) -> None:
 def corrupt_record():
     """corrupt_record(path, record, at=50): damages one record of a pack (see _corrupt_record)."""
     return _corrupt_record
+
+
+# ---- Keras jobs shared by several tests --------------------------------------------------------
+# Starting TensorFlow takes 8 s of CPU per process here, more than most Keras scenarios themselves.
+# The scenarios below run in one 2-rank job of tests/workers/keras_worker.py per Keras flavour, started
+# the first time a test asks for it; each test then checks its own scenario's `OK` lines. The
+# scenario after which the engine has failed (None gradients that differ: a MismatchError) comes last.
+
+
+@pytest.fixture(scope="session")
+def keras_job(tmp_path_factory):
+    """(CompletedProcess, checkpoint directory) of the Keras 3 job: fit in every mode, SyncBatchNormalization,
+    the callbacks (checkpointing into that directory), model averaging, early stopping, None gradients."""
+    pytest.importorskip("tensorflow")
+    from _launch import KERAS_FIT_MODES, launch
+
+    ckdir = tmp_path_factory.mktemp("keras_callbacks")
+    r = launch(2, "keras_worker.py", "seq", f"fit={KERAS_FIT_MODES}", "syncbn", f"callbacks={ckdir}", "averaging",
+               "earlystop", "nonegrads", env={"TF_CPP_MIN_LOG_LEVEL": "3"}, timeout=1200)
+    return r, ckdir
+
+
+@pytest.fixture(scope="session")
+def legacy_keras_job():
+    """The CompletedProcess of the same kind of job under tf-keras (TF_USE_LEGACY_KERAS=1): fit, SyncBatchNormalization."""
+    pytest.importorskip("tf_keras")
+    from _launch import LEGACY_FIT_MODES, launch
+
+    return launch(2, "keras_worker.py", "seq", f"fit={LEGACY_FIT_MODES}", "syncbn",
+                  env={"TF_CPP_MIN_LOG_LEVEL": "3", "TF_USE_LEGACY_KERAS": "1"}, timeout=900)

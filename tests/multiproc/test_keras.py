@@ -12,26 +12,24 @@ import sys
 
 import pytest
 
-from _launch import ROOT, assert_ok, launch, run_command
+from _launch import KERAS_FIT_MODES, LEGACY_FIT_MODES, ROOT, assert_ok, launch, run_command
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="TensorFlow not installed")
 W = "keras_worker.py"
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "3"}
 
 
-@pytest.mark.parametrize("modes", ["graph,eager,jit,accum", "bf16comm,mixed_bfloat16,mixed_float16"])
-def test_fit_matches_one_process_on_the_whole_batch(modes):
-    r = launch(2, W, "fit", modes, env=ENV, timeout=900)
-    for m in modes.split(","):
-        assert_ok(r, 2, f"fit {m}")
+@pytest.mark.parametrize("mode", KERAS_FIT_MODES.split(","))
+def test_fit_matches_one_process_on_the_whole_batch(keras_job, mode):
+    assert_ok(keras_job[0], 2, f"fit {mode}")
 
 
 def test_fit_three_workers():
     assert_ok(launch(3, W, "fit", "graph", env=ENV, timeout=900), 3, "fit graph")
 
 
-def test_none_gradients_skipped_everywhere_or_mismatch():
-    assert_ok(launch(2, W, "nonegrads", env=ENV, timeout=900), 2, "nonegrads")
+def test_none_gradients_skipped_everywhere_or_mismatch(keras_job):
+    assert_ok(keras_job[0], 2, "nonegrads")
 
 
 @pytest.mark.parametrize("inter_op", ["1", "2"])
@@ -40,17 +38,21 @@ def test_gradients_are_submitted_during_the_backward_pass(inter_op):
     assert_ok(r, 2, "overlap")
 
 
-@pytest.mark.parametrize("legacy", ["0", pytest.param("1", marks=pytest.mark.skipif(
-    importlib.util.find_spec("tf_keras") is None, reason="tf-keras not installed"))], ids=["keras3", "tf-keras"])
-def test_sync_batch_normalization_matches_whole_batch(legacy):
-    assert_ok(launch(2, W, "syncbn", env={**ENV, "TF_USE_LEGACY_KERAS": legacy}, timeout=900), 2, "syncbn")
+def test_sync_batch_normalization_matches_whole_batch(keras_job):
+    assert_ok(keras_job[0], 2, "syncbn")
 
 
-def test_callbacks(tmp_path):
-    assert_ok(launch(2, W, "callbacks", str(tmp_path), env=ENV, timeout=900), 2, "callbacks")
+@pytest.mark.skipif(importlib.util.find_spec("tf_keras") is None, reason="tf-keras not installed")
+def test_sync_batch_normalization_matches_whole_batch_tf_keras(legacy_keras_job):
+    assert_ok(legacy_keras_job, 2, "syncbn")
+
+
+def test_callbacks(keras_job):
+    r, ckdir = keras_job
+    assert_ok(r, 2, "callbacks")
     import keras
 
-    model = keras.models.load_model(tmp_path / "model.keras")  # rank 0's checkpoint loads
+    model = keras.models.load_model(ckdir / "model.keras")  # rank 0's checkpoint loads
     assert model.count_params() > 0
 
 
@@ -86,11 +88,9 @@ def test_bench_train_smoke(tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tf_keras") is None, reason="tf-keras not installed")
-def test_tf_keras_legacy():
-    r = launch(2, W, "fit", "graph,eager,bf16comm,accum,mixed_float16", env={**ENV, "TF_USE_LEGACY_KERAS": "1"},
-               timeout=900)
-    for m in ["graph", "eager", "bf16comm", "accum", "mixed_float16"]:
-        assert_ok(r, 2, f"fit {m}")
+@pytest.mark.parametrize("mode", LEGACY_FIT_MODES.split(","))
+def test_tf_keras_legacy(legacy_keras_job, mode):
+    assert_ok(legacy_keras_job, 2, f"fit {mode}")
 
 
 def test_horovod_style_example_runs_unchanged_but_the_import(tmp_path):

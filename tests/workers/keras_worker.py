@@ -211,7 +211,7 @@ def syncbn():
     print(f"OK syncbn rank {r} err {err:.2e} unsynced {other:.2e}", flush=True)
 
 
-def callbacks_mode():
+def callbacks_mode(ckdir):
     r, n = hvd.rank(), hvd.size()
     x, y = data(n)
     model = mlp(3 + r)
@@ -229,7 +229,6 @@ def callbacks_mode():
         def on_train_batch_begin(self, batch, logs=None):
             lrs.append(float(np.asarray(self.model.optimizer.learning_rate)))
 
-    ckdir = sys.argv[2]
     ck = hvd.callbacks.ModelCheckpoint(os.path.join(ckdir, "model.keras"))
     model.fit(shard(x, r, n), shard(y, r, n) + r, batch_size=B, epochs=3, shuffle=False, verbose=0,
               callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback(),
@@ -321,29 +320,32 @@ def bucketcap():
     raise AssertionError("ranks with different bucket caps reduced without an error")
 
 
+# scenario -> function of its one optional argument; those after which the engine has failed (a
+# mismatch was raised) end the process, so they come last in a `seq`
+SCENARIOS = {
+    "fit": lambda modes: [fit_mode(m) for m in modes.split(",")],
+    "overlap": lambda _: overlap(),
+    "syncbn": lambda _: syncbn(),
+    "callbacks": callbacks_mode,
+    "averaging": lambda _: averaging(),
+    "earlystop": lambda _: earlystop(),
+}
+ENGINE_FAILS = {"nonegrads": none_grads, "bucketcap": bucketcap, "mismatch": mismatch}
+
+
+def run(name, arg=None):
+    if name in ENGINE_FAILS:
+        ENGINE_FAILS[name]()
+        os._exit(0)  # the engine has failed (the mismatch it raised): skip the collective shutdown
+    SCENARIOS[name](arg)
+
+
 if __name__ == "__main__":
     hvd.init()
-    what = sys.argv[1]
-    if what == "fit":
-        for m in sys.argv[2].split(","):
-            fit_mode(m)
-    elif what == "nonegrads":
-        none_grads()
-        os._exit(0)  # the engine has failed (the mismatch): skip the collective shutdown
-    elif what == "overlap":
-        overlap()
-    elif what == "syncbn":
-        syncbn()
-    elif what == "callbacks":
-        callbacks_mode()
-    elif what == "averaging":
-        averaging()
-    elif what == "earlystop":
-        earlystop()
-    elif what == "bucketcap":
-        bucketcap()
-        os._exit(0)
-    elif what == "mismatch":
-        mismatch()
-        os._exit(0)  # the engine has failed: skip the collective shutdown
+    if sys.argv[1] == "seq":  # several scenarios in one job, "name" or "name=arg" each: one TensorFlow start-up
+        for spec in sys.argv[2:]:
+            name, _, arg = spec.partition("=")
+            run(name, arg or None)
+    else:
+        run(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)
     hvd.shutdown()
