@@ -13,13 +13,18 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, 
 W = "tf_worker.py"
 
 
-def test_tensor_collectives_eager_and_graph():
-    assert_ok(launch(2, W, "collectives", env={"TF_CPP_MIN_LOG_LEVEL": "3"}, timeout=600), 2, "tf collectives")
+@pytest.fixture(scope="module")
+def tf_job():
+    """One 2-rank job for every test here: TensorFlow starts once, not once a test."""
+    return launch(2, W, "collectives", "tape=none", "tape=bf16", env={"TF_CPP_MIN_LOG_LEVEL": "3"}, timeout=900)
+
+
+def test_tensor_collectives_eager_and_graph(tf_job):
+    assert_ok(tf_job, 2, "tf collectives")
 
 
 @pytest.mark.parametrize("compression", ["none", "bf16"])
-def test_distributed_gradient_tape_matches_single_process(compression):
-    lines = assert_ok(launch(2, W, "tape", compression, env={"TF_CPP_MIN_LOG_LEVEL": "3"}, timeout=600), 2,
-                      f"tape {compression}")
+def test_distributed_gradient_tape_matches_single_process(tf_job, compression):
+    lines = assert_ok(tf_job, 2, f"tape {compression}")
     errs = [re.search(r" err (\S+)", line).group(1) for line in lines]
     assert errs[0] == errs[1], lines  # the same weights on both ranks

@@ -87,8 +87,7 @@ def tape(compression):
 
 if __name__ == "__main__":
     hvd.init()
-    if sys.argv[1] == "collectives":
-        collectives()
-    else:
-        tape(sys.argv[2])
+    for what in sys.argv[1:]:  # "collectives" or "tape=COMPRESSION", several in one job (TensorFlow starts once)
+        name, _, arg = what.partition("=")
+        collectives() if name == "collectives" else tape(arg)
     hvd.shutdown()
