@@ -104,12 +104,18 @@ def test_tf_keras_native_matches_bridge(tmp_path):
     _assert_bit_identical(nat[0], nat[1])
 
 
-def test_forwarded_buffers_are_never_read_after_the_reduction():
-    assert_ok(launch(2, W, "forwarding", env=ENV, timeout=600), 2, "forwarding")
+@pytest.fixture(scope="module")
+def forwarding_and_hold():
+    """One job for the two tests below: TensorFlow starts once."""
+    return launch(2, W, "forwarding,hold", env=ENV, timeout=600)
 
 
-def test_grouped_submits_hold_to_one_round_per_bucket():
-    assert_ok(launch(2, W, "hold", env=ENV, timeout=600), 2, "hold")
+def test_forwarded_buffers_are_never_read_after_the_reduction(forwarding_and_hold):
+    assert_ok(forwarding_and_hold, 2, "forwarding")
+
+
+def test_grouped_submits_hold_to_one_round_per_bucket(forwarding_and_hold):
+    assert_ok(forwarding_and_hold, 2, "hold")
 
 
 def test_timeline_is_chrome_trace_with_every_gradient_of_every_step(tmp_path):

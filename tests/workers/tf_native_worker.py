@@ -264,11 +264,10 @@ if __name__ == "__main__":
         parity15(sys.argv[2])
     elif what == "legacy":
         legacy(sys.argv[2])
-    elif what == "forwarding":
-        forwarding()
     elif what == "timeline":
         timeline()
-    elif what == "hold":
-        hold()
+    elif set(what.split(",")) <= {"forwarding", "hold"}:  # several in one job: TensorFlow starts once
+        for name in what.split(","):
+            {"forwarding": forwarding, "hold": hold}[name]()
     else:
         raise SystemExit(f"unknown test {what!r}")
