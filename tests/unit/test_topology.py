@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from _launch import fastxfer_cmd
+from _launch import fastxfer_cmd, finish, start
 
 from fastxfer import topology
 from fastxfer.errors import TopologyError
@@ -208,13 +208,13 @@ def test_live_machine_probe():
 def test_tensorflow_thread_settings_applied_unless_user_set(monkeypatch):
     monkeypatch.setenv("FASTXFER_INTRA_OP_THREADS", "1")
     monkeypatch.setenv("FASTXFER_INTER_OP_THREADS", "1")
-    code = ("import tensorflow as tf, fastxfer.topology as t; "
-            "print(t.apply_thread_settings(), tf.config.threading.get_intra_op_parallelism_threads())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"), cwd="/")
-    assert "{'FASTXFER_INTRA_OP_THREADS': 1, 'FASTXFER_INTER_OP_THREADS': 1} 1" in out.stdout, out.stderr
-    code = ("import tensorflow as tf, fastxfer.topology as t; tf.config.threading.set_intra_op_parallelism_threads(2);"
-            "print(t.apply_thread_settings(), tf.config.threading.get_intra_op_parallelism_threads())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"), cwd="/")
-    assert "{'FASTXFER_INTER_OP_THREADS': 1} 2" in out.stdout, out.stderr
+    plain = ("import tensorflow as tf, fastxfer.topology as t; "
+             "print(t.apply_thread_settings(), tf.config.threading.get_intra_op_parallelism_threads())")
+    user_set = ("import tensorflow as tf, fastxfer.topology as t; tf.config.threading.set_intra_op_parallelism_threads(2);"
+                "print(t.apply_thread_settings(), tf.config.threading.get_intra_op_parallelism_threads())")
+    # two fresh processes side by side: each is mostly TensorFlow's start-up, on one core
+    procs = [start([sys.executable, "-c", code], env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+             for code in (plain, user_set)]
+    first, second = (finish(p) for p in procs)
+    assert "{'FASTXFER_INTRA_OP_THREADS': 1, 'FASTXFER_INTER_OP_THREADS': 1} 1" in first.stdout, first.stderr
+    assert "{'FASTXFER_INTER_OP_THREADS': 1} 2" in second.stdout, second.stderr
