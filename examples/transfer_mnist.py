@@ -150,7 +150,6 @@ def worker(args) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import keras
     import numpy as np
-    import tensorflow as tf
 
     import fastxfer.keras as hvd
 
@@ -167,16 +166,6 @@ def worker(args) -> None:
         # epoch, 2 workers reached twice the rate in half the steps, and half of their pretraining runs
         # stumbled right after it (the backbone lost ReLU units, the head 2-4 points; bench/RESULTS.md).
         return images // args.batch_size
-
-    def feed(x, y):
-        """The training data as one repeated tf.data pipeline (reshuffled every epoch, last batch short, as
-        Keras does with arrays) and its steps per epoch. Keras builds a new input iterator at every epoch for
-        arrays, or for a dataset without steps_per_epoch: 100-500 ms an epoch on a worker bound to one core,
-        varying from rank to rank, so that at each epoch's first step one rank waited that long for the other
-        (docs/keras.md, "Feeding fit"). With steps_per_epoch and a repeated dataset the iterator lives across
-        epochs."""
-        ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=args.seed, reshuffle_each_iteration=True)
-        return ds.batch(args.batch_size).repeat().prefetch(2), -(-len(x) // args.batch_size)
 
     verbose = 2 if rank == 0 else 0
     timers = {p: [] for p in PHASES}
@@ -209,9 +198,8 @@ def worker(args) -> None:
         warm = hvd.schedules.WarmupSchedule(lr, warmup_steps=warmup(len(pre_x)))
         pre.compile(optimizer=optimizer(warm), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                     metrics=["accuracy"])
-        data, steps = feed(pre_x[shard], pre_y[shard])
-        pre.fit(data, steps_per_epoch=steps, epochs=args.pretrain_epochs, verbose=verbose,
-                callbacks=callbacks("pretrain", len(pre_x[shard]), False))
+        pre.fit(pre_x[shard], pre_y[shard], batch_size=args.batch_size, epochs=args.pretrain_epochs,
+                verbose=verbose, callbacks=callbacks("pretrain", len(pre_x[shard]), False))
     pretrain_s = time.perf_counter() - t0
 
     log(f"== fine-tuning a new head on digits 5-9 ({len(tr_x)} train / {len(va_x)} validation), backbone frozen")
@@ -230,17 +218,17 @@ def worker(args) -> None:
     model.compile(optimizer=optimizer(warm), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
     t1 = time.perf_counter()
-    data, steps = feed(tr_x[shard], tr_y[shard])
-    hist = model.fit(data, steps_per_epoch=steps, epochs=args.epochs, verbose=verbose, validation_data=(va_x, va_y),
-                     callbacks=callbacks("finetune", len(tr_x[shard]), True))
+    hist = model.fit(tr_x[shard], tr_y[shard], batch_size=args.batch_size, epochs=args.epochs, verbose=verbose,
+                     validation_data=(va_x, va_y), callbacks=callbacks("finetune", len(tr_x[shard]), True))
     ft_epochs = len(hist.history["loss"])
     if args.unfreeze_epochs:
         log(f"== unfreezing the backbone for {args.unfreeze_epochs} epoch(s) at a tenth of the rate")
         base.trainable = True
         model.compile(optimizer=optimizer(lr / 10), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"])
-        model.fit(data, steps_per_epoch=steps, epochs=args.unfreeze_epochs, verbose=verbose,
-                  validation_data=(va_x, va_y), callbacks=callbacks("unfreeze", len(tr_x[shard]), False))
+        model.fit(tr_x[shard], tr_y[shard], batch_size=args.batch_size, epochs=args.unfreeze_epochs,
+                  verbose=verbose, validation_data=(va_x, va_y), callbacks=callbacks("unfreeze", len(tr_x[shard]),
+                                                                                      False))
     finetune_s = time.perf_counter() - t1
     wall = time.perf_counter() - t0
     loss, acc = model.evaluate(va_x, va_y, verbose=0)
