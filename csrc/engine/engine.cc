@@ -202,7 +202,11 @@ void Engine::wait(uint64_t id) {
       // The engine thread may sleep through this (nothing queued): the out-of-band lane's
       // mismatch check reads this flag, so it must say so now, not at the engine's next wake-up.
       comm_->set_engine_idle(queue_.empty());
-      work_cv_.notify_one();  // the engine thread takes over whatever is queued now
+      // The engine thread takes over whatever is queued now. With nothing queued (every
+      // synchronous call) it is left asleep: waking it only to find no work cost a context switch
+      // per call on this thread's core, and with unbound ranks sometimes on the peer's core
+      // (docs/architecture.md, "Who runs a round").
+      if (!queue_.empty()) work_cv_.notify_one();
       continue;
     }
     done_cv_.wait(lk);

@@ -43,6 +43,13 @@ def test_broadcast_allgather_async_inplace_oob(np_):
     assert_ok(launch(np_, W, "collectives"), np_, "collectives")
 
 
+def test_synchronous_calls_leave_the_engine_thread_asleep():
+    """1000 synchronous 1 MiB allreduces on 2 ranks: each rank runs its rounds on the calling thread,
+    and its engine thread wakes only for its 50 ms idle check (it used to be woken once per call,
+    a context switch on the caller's core each time)."""
+    assert_ok(launch(2, W, "quiet_engine"), 2, "quiet_engine")
+
+
 @pytest.mark.parametrize("np_", [2, 3])
 def test_new_dtypes_and_product_exact(np_):
     """uint8/int8/uint16/int16/int32/int64 x sum/average/min/max/product with wrap-around, bool

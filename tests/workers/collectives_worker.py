@@ -529,6 +529,38 @@ def join15():
     print(f"OK join15 on rank {r}")
 
 
+def _engine_switches():
+    """Voluntary context switches of this process's engine thread so far (it sleeps on a condition
+    variable; each wake-up is one)."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() != "fastxfer-engine":
+                    continue
+            with open(f"/proc/self/task/{tid}/status") as f:
+                return int(f.read().split("\nvoluntary_ctxt_switches:")[1].split()[0])
+        except (OSError, IndexError):
+            continue
+    raise SystemExit("no fastxfer-engine thread in this process")
+
+
+def quiet_engine(calls=1000):
+    """Synchronous allreduces run their rounds on the calling thread and leave the engine thread
+    asleep: it wakes only for its idle check (every 50 ms), not once per call."""
+    x = np.arange(1 << 18, dtype=np.float32)
+    out = np.empty_like(x)
+    fx.allreduce(x, out=out, op="sum")
+    fx.barrier()
+    before, t0 = _engine_switches(), time.monotonic()
+    for _ in range(calls):
+        fx.allreduce(x, out=out, op="sum")
+    woke, took = _engine_switches() - before, time.monotonic() - t0
+    assert np.array_equal(out, x * fx.size()), "wrong sum"
+    allowed = took / 0.05 + 20  # the idle checks, and a margin for other wake-ups
+    assert woke <= allowed, f"the engine thread woke {woke} times in {calls} synchronous calls ({took:.2f} s)"
+    print(f"OK quiet_engine woke {woke} times in {calls} calls, {took:.2f} s, rank {fx.rank()}")
+
+
 def info():
     print(f"INFO rank={fx.rank()} size={fx.size()} local_rank={fx.local_rank()} local_size={fx.local_size()}")
 
@@ -562,6 +594,8 @@ if __name__ == "__main__":
             hang()
         elif mode == "shutdown_early":
             shutdown_early()
+        elif mode == "quiet_engine":
+            quiet_engine()
         elif mode == "info":
             info()
         elif mode == "join15":
