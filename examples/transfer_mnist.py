@@ -286,8 +286,8 @@ def run_config(args, workers: int, precision: str, seed: int, no_comm: bool = Fa
            "--json", out, "--pretrain-epochs", str(args.pretrain_epochs),
            "--epochs", str(args.epochs if epochs is None else epochs), "--patience", str(args.patience),
            "--unfreeze-epochs", str(args.unfreeze_epochs), "--batch-size", str(args.batch_size),
-           "--lr", str(args.lr), "--clipnorm", str(args.clipnorm), "--limit", str(args.limit)] + (["--weights", args.weights] if args.weights else []) \
-        + (["--no-comm"] if no_comm else [])
+           "--lr", str(args.lr), "--clipnorm", str(args.clipnorm), "--limit", str(args.limit)] \
+        + (["--weights", args.weights] if args.weights else []) + (["--no-comm"] if no_comm else [])
     what = "no communication (the ceiling)" if no_comm else "fastxfer" if workers > 1 else "whole machine"
     print(f"\n### {workers} worker(s), {what}, {precision}, seed {seed}: {' '.join(cmd[2:8])} ...", flush=True)
     r = subprocess.run(cmd, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
