@@ -110,8 +110,9 @@ def test_without_an_elastic_launcher_a_failure_still_ends_the_job():
 
 
 def test_restarted_worker_that_comes_too_late_is_stopped_and_the_job_succeeds():
-    # no nap: the survivors finish long before the restarted worker has started; it is stopped
-    r = launch(3, "elastic_np_worker.py", 30, "2@3", launcher_args=elastic(3, 2, "--max-restarts", "1"), env=ENV)
+    # the restarted worker (worker 3) waits 60 s before it joins: the survivors finish long before; it is stopped
+    r = launch(3, "elastic_np_worker.py", 30, "2@3", launcher_args=elastic(3, 2, "--max-restarts", "1"),
+               env={**ENV, "LATE": "3:60"})
     ok(r)
     assert sorted(lines(r, "DONE")) == [0, 1], r.stdout
     assert "elastic job finished with 2 worker(s) (generation 1)" in r.stderr
