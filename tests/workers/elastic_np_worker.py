@@ -6,8 +6,8 @@ Each step allreduces (sum) a vector holding the step number and adds element 0 t
 so the total says exactly which steps ran with how many ranks. A VICTIM@STEP worker kills itself
 (SIGKILL) after that step, before its commit. At the first step after every reset, a handle of an
 allreduce submitted in the old group (before the failure) is waited on: it must fail, never
-complete with the new group's data. Prints "DONE rank R size S steps N total T". $NAP: seconds per step; $LATE="W:S": worker W sleeps S
-seconds before it joins.
+complete with the new group's data. Prints "DONE rank R size S steps N total T".
+$NAP: seconds per step; $LATE="W:S": worker W sleeps S seconds before it joins.
 """
 
 import os
@@ -53,8 +53,8 @@ def train(state):
         state.commit()
 
 
-# $LATE="W:S": worker W sleeps S seconds before it joins (a restarted worker that comes too late, whatever
-# the machine's speed: a restarted worker started in about 0.2 s on a fast machine, in time to join)
+# a restarted worker that comes too late whatever the machine's speed (on a fast one it started in
+# about 0.2 s, in time to join)
 late_worker, _, late_s = os.environ.get("LATE", "").partition(":")
 if late_worker and int(late_worker) == WORKER:
     time.sleep(float(late_s))
