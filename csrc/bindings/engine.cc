@@ -1,5 +1,5 @@
 // fastxfer._core: the engine — start it (joining the job), submit and wait for collectives, the
-// out-of-band lane, statistics; and the bridge that lets the engine thread call the Python MPI link.
+// out-of-band lane, statistics (the Python MPI link it is given is adapted in inter_host.cc).
 #include <dlfcn.h>
 #include <pybind11/stl.h>
 
@@ -8,9 +8,11 @@
 #include <vector>
 
 #include "bindings/arrays.h"
+#include "bindings/inter_host.h"
 #include "common/errors.h"
 #include "common/request.h"
 #include "engine/engine.h"
+#include "engine/request_builder.h"
 
 namespace fastxfer {
 namespace bindings {
@@ -24,77 +26,6 @@ CollectiveKind kind_from_name(const std::string& k) {
     if (k == kind_name(c)) return c;
   throw py::value_error("unknown collective '" + k + "'");
 }
-
-// InterHost implemented by a Python object (fastxfer.comm.mpi.MPIInterHost, on mpi4py).
-// Called from the engine thread: takes the GIL for each call; buffers are passed as numpy views
-// (no copy) of raw bytes, with the element dtype named separately.
-class PyInterHost : public InterHost {
- public:
-  explicit PyInterHost(py::object impl) : impl_(std::move(impl)) {
-    rank_ = impl_.attr("rank").cast<int>();
-    size_ = impl_.attr("size").cast<int>();
-  }
-  ~PyInterHost() override {
-    py::gil_scoped_acquire gil;
-    impl_ = py::object();
-  }
-  int rank() const override { return rank_; }
-  int size() const override { return size_; }
-  void allreduce_shard(void* buf, size_t n, DType dtype, ReduceOp op) override {
-    py::gil_scoped_acquire gil;
-    impl_.attr("allreduce_shard")(view(buf, n * dtype_size(dtype)), dtype_name(dtype), op_name(op));
-  }
-  std::vector<std::vector<char>> allgather_bytes(const std::vector<char>& mine) override {
-    py::gil_scoped_acquire gil;
-    py::list got = impl_.attr("allgather_bytes")(py::bytes(mine.data(), mine.size()));
-    std::vector<std::vector<char>> out;
-    for (auto item : got) {
-      std::string b = item.cast<std::string>();
-      out.emplace_back(b.begin(), b.end());
-    }
-    return out;
-  }
-  void broadcast(void* buf, size_t nbytes, int root) override {
-    py::gil_scoped_acquire gil;
-    impl_.attr("broadcast")(view(buf, nbytes), root);
-  }
-  void allgatherv(const void* in, void* out, const std::vector<size_t>& bytes) override {
-    py::gil_scoped_acquire gil;
-    size_t total = 0;
-    for (size_t b : bytes) total += b;
-    impl_.attr("allgatherv")(view(const_cast<void*>(in), bytes[rank_]), view(out, total), bytes);
-  }
-  void alltoallv(const void* in, void* out, const std::vector<size_t>& send_bytes,
-                 const std::vector<size_t>& recv_bytes) override {
-    py::gil_scoped_acquire gil;
-    size_t sent = 0, got = 0;
-    for (size_t b : send_bytes) sent += b;
-    for (size_t b : recv_bytes) got += b;
-    impl_.attr("alltoallv")(view(const_cast<void*>(in), sent), view(out, got), send_bytes, recv_bytes);
-  }
-  void oob_allreduce(const void* in, void* out, size_t n, DType dtype, ReduceOp op,
-                     const std::string& what) override {
-    py::gil_scoped_acquire gil;
-    try {
-      impl_.attr("oob_allreduce")(view(const_cast<void*>(in), n * dtype_size(dtype)),
-                                  view(out, n * dtype_size(dtype)), dtype_name(dtype), op_name(op), what);
-    } catch (py::error_already_set& e) {
-      // keep the engine's error model: a disagreement poisons the group on every rank
-      if (e.matches(py::module_::import("fastxfer.errors").attr("MismatchError"))) throw Mismatch(e.what());
-      throw;
-    }
-  }
-
- private:
-  static py::array view(void* p, size_t nbytes) {
-    static char empty;  // an empty buffer (an alltoall block of no rows) may come as a null pointer
-    if (p == nullptr) p = &empty;
-    py::capsule keep(p, [](void*) {});  // the transport owns the memory; the view must not outlive the call
-    return py::array(py::dtype("uint8"), {static_cast<py::ssize_t>(nbytes)}, {1}, static_cast<uint8_t*>(p), keep);
-  }
-  py::object impl_;
-  int rank_ = 0, size_ = 1;
-};
 
 }  // namespace
 
@@ -139,7 +70,7 @@ void bind_engine(py::module_& m) {
              job.engine.timeline_path = timeline_path;
              job.engine.timeline_rank = timeline_rank;
              std::shared_ptr<InterHost> inter;
-             if (!inter_host.is_none()) inter = std::make_shared<PyInterHost>(inter_host);
+             if (!inter_host.is_none()) inter = make_py_inter_host(inter_host);
              py::gil_scoped_release nogil;  // waits for the other ranks to attach
              return start_engine(job, inter);
            }),
@@ -163,28 +94,30 @@ void bind_engine(py::module_& m) {
           [](Engine& eng, const std::string& kind, const std::string& name, py::object input, py::object output,
              const std::string& op, const std::string& compression, int root, double prescale, double postscale,
              int64_t bucket_cap, bool defer, std::vector<int64_t> splits) {
-            Request r;
-            r.splits = std::move(splits);
-            r.kind = kind_from_name(kind);
-            r.op = op_from_name(op);
-            r.compression = compression_from_name(compression);
-            r.root = root;
-            r.prescale = prescale;
-            r.postscale = postscale;
-            std::vector<int64_t> shape;
+            RequestSpec q;
+            q.kind = kind_from_name(kind);
+            q.name = name;
+            q.op = op_from_name(op);
+            q.compression = compression_from_name(compression);
+            q.root = root;
+            q.prescale = prescale;
+            q.postscale = postscale;
+            q.bucket_cap = bucket_cap;
+            q.splits = std::move(splits);
+            size_t numel = 0;
             if (!input.is_none()) {
               py::array in = input.cast<py::array>();
-              r.dtype = dtype_from_name(dtype_str(in));
-              r.numel = size_of(in);
-              shape = shape_of(in);
-              r.in = checked_data(in, "input", dtype_str(in), r.numel, false);
+              q.has_data = true;
+              q.dtype = dtype_from_name(dtype_str(in));
+              numel = size_of(in);
+              q.shape = shape_of(in);
+              q.in = checked_data(in, "input", dtype_str(in), numel, false);
             }
             if (!output.is_none()) {
               py::array out = output.cast<py::array>();
-              r.out = checked_data(out, "output", dtype_name(r.dtype), r.numel, true);
+              q.out = checked_data(out, "output", dtype_name(q.dtype), numel, true);
             }
-            r.rec = make_record(r.kind, name, r.dtype, shape, r.op, r.compression, root, prescale, postscale);
-            r.rec.bucket_cap = bucket_cap;
+            Request r = build_request(std::move(q), eng);
             return eng.submit(std::move(r), defer);
           },
           py::arg("kind"), py::arg("name"), py::arg("input"), py::arg("output"), py::arg("op") = "sum",

@@ -10,6 +10,7 @@
 
 #include "common/errors.h"
 #include "engine/engine.h"
+#include "engine/request_builder.h"
 
 namespace fastxfer {
 
@@ -41,28 +42,21 @@ int32_t c_submit(const fx_request* q, fx_done_fn done, void* ctx, char* err, siz
     if (q->compression < 0 || q->compression > static_cast<int32_t>(Compression::kFP16))
       throw std::invalid_argument("unknown compression");
     if (q->ndim < 0 || (q->ndim > 0 && q->shape == nullptr)) throw std::invalid_argument("bad shape");
-    Request r;
-    r.kind = static_cast<CollectiveKind>(q->kind);
-    r.dtype = static_cast<DType>(q->dtype);
-    r.op = static_cast<ReduceOp>(q->op);
-    r.compression = static_cast<Compression>(q->compression);
-    r.root = q->root;
-    r.prescale = q->prescale;
-    r.postscale = q->postscale;
-    std::vector<int64_t> shape(q->shape, q->shape + q->ndim);
-    size_t numel = 1;
-    for (int64_t d : shape) {
-      if (d < 0) throw std::invalid_argument("negative dimension");
-      numel *= static_cast<size_t>(d);
-    }
-    r.numel = numel;
-    r.in = q->in;
-    r.out = q->out;
-    if (numel > 0 && r.in == nullptr) throw std::invalid_argument("null input buffer");
-    if (numel > 0 && (r.kind == CollectiveKind::kAllreduce || r.kind == CollectiveKind::kBroadcast) &&
-        r.out == nullptr)
-      throw std::invalid_argument("null output buffer");
-    if (q->nsplits > 0) r.splits.assign(q->splits, q->splits + q->nsplits);
+    RequestSpec spec;
+    spec.kind = static_cast<CollectiveKind>(q->kind);
+    spec.name = q->name ? q->name : "";
+    spec.dtype = static_cast<DType>(q->dtype);
+    spec.shape.assign(q->shape, q->shape + q->ndim);
+    spec.has_data = true;
+    spec.op = static_cast<ReduceOp>(q->op);
+    spec.compression = static_cast<Compression>(q->compression);
+    spec.root = q->root;
+    spec.prescale = q->prescale;
+    spec.postscale = q->postscale;
+    spec.bucket_cap = q->bucket_cap;
+    spec.in = q->in;
+    spec.out = q->out;
+    if (q->nsplits > 0) spec.splits.assign(q->splits, q->splits + q->nsplits);
     std::shared_lock<std::shared_mutex> lk(g_mu);
     if (!g_engine) {
       copy_message(err, errlen, "fastxfer is not initialised: call fastxfer.init() first");
@@ -76,10 +70,7 @@ int32_t c_submit(const fx_request* q, fx_done_fn done, void* ctx, char* err, siz
                                     " is not registered on this rank (removed, or this rank is not one of its ranks)");
       eng = it->second.get();
     }
-    if (r.op == ReduceOp::kAverage) r.postscale /= static_cast<double>(eng->size());
-    r.rec = make_record(r.kind, q->name ? q->name : "", r.dtype, shape, r.op, r.compression, r.root, r.prescale,
-                        r.postscale);
-    r.rec.bucket_cap = q->bucket_cap;
+    Request r = build_request(std::move(spec), *eng);
     r.on_done = [done, ctx](Request& req, ErrorKind kind, const std::string& msg) {
       done(ctx, static_cast<int32_t>(kind), msg.c_str(), req.gathered.data(), req.gathered.size(), req.gathered_rows,
            req.recv_splits.data(), static_cast<int32_t>(req.recv_splits.size()));

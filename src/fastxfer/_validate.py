@@ -1,4 +1,5 @@
-"""Argument checks shared by every entry point (numpy, TensorFlow, Keras, fusion, compression).
+"""Array and value checks shared by every entry point (numpy, TensorFlow, Keras, fusion, compression);
+a collective's options (op, compression, scales, process set) are checked in comm/options.py.
 
 Each public function validates its arguments here, once, and passes plain values on: the native
 module trusts what it is given. Errors name the argument and the fix: ``TypeError`` for a wrong
@@ -46,8 +47,6 @@ class _Dtypes(Mapping):
 # dtypes the engine reduces, by the name the native core uses
 DTYPES: Mapping[str, np.dtype] = _Dtypes({n: n for n in (
     "float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8", "int8", "uint16", "int16", "bool")})
-OPS: tuple[str, ...] = ("sum", "average", "min", "max", "product")
-COMPRESSIONS: tuple[str, ...] = ("none", "bf16", "fp16")
 # what a compressed float32 value travels as
 WIRE_DTYPES: Mapping[str, np.dtype] = _Dtypes({"bf16": "bfloat16", "fp16": "float16"})
 _WIRE_ALIASES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}
@@ -125,24 +124,6 @@ def out_like(out, a: np.ndarray, what: str = "out") -> np.ndarray:
     if not out.flags.c_contiguous or not out.flags.writeable:
         raise ValueError(f"{what} must be C-contiguous and writable")
     return out
-
-
-def op(value) -> str:
-    """A reduction op name, lower-cased: sum, average, min, max or product."""
-    if not isinstance(value, str) or value.lower() not in OPS:
-        raise ValueError(f"op must be one of {', '.join(OPS)}, not {value!r}")
-    return value.lower()
-
-
-def compression(value, dtype=None) -> str:
-    """A wire compression name (None means 'none'); with ``dtype``, also checks it applies (float32)."""
-    if value is None:
-        value = "none"
-    if not isinstance(value, str) or value not in COMPRESSIONS:
-        raise ValueError(f"compression must be 'none', 'bf16' or 'fp16', not {value!r}")
-    if value != "none" and dtype is not None and np.dtype(dtype) != np.float32:
-        raise ValueError(f"compression={value!r} applies to float32 arrays; this one is {np.dtype(dtype).name}")
-    return value
 
 
 def wire_kind(kind) -> str:

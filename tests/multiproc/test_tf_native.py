@@ -49,11 +49,11 @@ def test_native_ops_match_the_numpy_function_bridge_bit_for_bit(tmp_path):
     assert np.array_equal(nat[0]["eager.bcast"], ins[1]["f64"])
 
 
-def test_issue15_collectives_native_match_bridge_and_exact_values(tmp_path):
+def test_new_dtypes_alltoall_and_reducescatter_native_match_bridge_and_exact_values(tmp_path):
     """New dtypes and Product, alltoall, reducescatter (grouped, compressed), their gradients,
     eager and in tf.function: native ops == numpy_function bridge, bit for bit, and the values."""
-    nat = _run(tmp_path, "parity15", "1")
-    ref = _run(tmp_path, "parity15", "0")
+    nat = _run(tmp_path, "engine_collectives", "1")
+    ref = _run(tmp_path, "engine_collectives", "0")
     for r in range(2):
         _assert_bit_identical(nat[r], ref[r])
     a, b = nat

@@ -88,6 +88,24 @@ class _Imports(ast.NodeVisitor):
                 if _private(a.name):
                     self.private.append(f"{self.name}:{node.lineno}: from {base} import {a.name}")
 
+    def visit_Call(self, node):
+        # importlib.import_module("pkg.x"), __import__("pkg.x"), import_module(f"pkg.bench.{name}"):
+        # a module loaded by name is an import too (the prefix of an f-string names its package)
+        func = node.func
+        called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+        if called in ("import_module", "__import__") and node.args:
+            arg = node.args[0]
+            dotted = None
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                dotted = arg.value
+            elif isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0], ast.Constant):
+                dotted = str(arg.values[0].value).rstrip(".")
+            if dotted and (dotted == self.package or dotted.startswith(self.package + ".")):
+                while dotted not in self.mods and "." in dotted:
+                    dotted = dotted.rpartition(".")[0]
+                self._target(dotted, node.lineno)
+        self.generic_visit(node)
+
     def visit_Attribute(self, node):
         chain = []
         cur = node
@@ -148,6 +166,26 @@ def find_cycle(graph):
     return None
 
 
+def package_graph(graph, src, package):
+    """The import graph between the package's subpackages: each module stands for the subpackage
+    of the top level it belongs to (pkg.keras.x -> pkg.keras); modules at the top level stay
+    themselves. A cycle here is a circle between layers even where no two modules import each
+    other (keras/ reaching into tensorflow/ while tensorflow/ reaches back into keras/)."""
+    def node(m):
+        parts = m.split(".")
+        if len(parts) > 2 or (src.joinpath(*parts) / "__init__.py").is_file():
+            return ".".join(parts[:2])
+        return m
+
+    out = {}
+    for m, targets in graph.items():
+        edges = out.setdefault(node(m), {})
+        for t, line in targets.items():
+            if node(t) != node(m):
+                edges.setdefault(node(t), f"{m}:{line}")
+    return out
+
+
 def _describe(graph, cycle):
     return " -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:])) + f" -> {cycle[-1]}"
 
@@ -157,6 +195,16 @@ def test_python_package_has_no_import_cycle():
     assert len(graph) > 10 and sum(map(len, graph.values())) > 10  # the checker really read the package
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + _describe(graph, cycle)
+
+
+def test_subpackages_import_each_other_in_one_direction_only():
+    graph, _ = import_graph(SRC, "fastxfer")
+    packages = package_graph(graph, SRC, "fastxfer")
+    assert {"fastxfer.keras", "fastxfer.tensorflow", "fastxfer.comm"} <= set(packages)
+    assert "fastxfer.tensorflow" in packages["fastxfer.keras"]  # keras/ builds on tensorflow/ ...
+    assert "fastxfer.keras" not in packages["fastxfer.tensorflow"]  # ... never the reverse
+    cycle = find_cycle(packages)
+    assert cycle is None, "import circle between subpackages: " + _describe(packages, cycle)
 
 
 def test_no_module_takes_another_modules_private_names():
@@ -182,10 +230,15 @@ def test_python_checker_finds_cycles_through_every_kind_of_import(tmp_path):
         "pkg/sub/__init__.py": "",
         "pkg/sub/c.py": "import pkg.a as a\nx = a.f\n",
         "pkg/d.py": "from pkg import f  # the package itself\n",
+        "pkg/e.py": ("import importlib\ndef g(name):\n    importlib.import_module('pkg.a')\n"
+                     "    return importlib.import_module(f'pkg.sub.{name}')\n"),
     })
     graph, private = import_graph(tmp_path, "pkg")
     assert graph["pkg.a"] == {"pkg.b": 1}  # compiled modules are modules, but not in the graph
     assert graph["pkg.d"] == {"pkg": 1}
+    assert graph["pkg.e"] == {"pkg.a": 3, "pkg.sub": 4}  # modules loaded by name
+    packages = package_graph(graph, tmp_path, "pkg")
+    assert packages["pkg.sub"] == {"pkg.a": "pkg.sub.c:1"} and "pkg.sub" in packages["pkg.b"]
     assert find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.sub.c", "pkg.a"]
     assert private == []
     (tmp_path / "pkg/sub/c.py").write_text("x = 1\n")

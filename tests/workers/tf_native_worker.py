@@ -73,8 +73,8 @@ def programs(out):
     _save(out, r, got)
 
 
-def parity15(out):
-    """Issue 15 through TensorFlow (eager and tf.function): the new dtypes and Product on
+def engine_collectives(out):
+    """The engine-level collectives through TensorFlow (eager and tf.function): the new dtypes and Product on
     allreduce/broadcast/allgather, alltoall (default, uneven and empty splits; its gradient),
     reducescatter and grouped_reducescatter (uneven rows; gradients; fp16 compression). Results
     go to OUT.<rank>.npz; the test checks exact values and native == bridge bit for bit."""
@@ -89,23 +89,23 @@ def parity15(out):
             got[f"eager.{dt.name}.{op}"] = hvd.allreduce(t, op=op, name=f"e15.{dt.name}.{op}").numpy()
         got[f"eager.{dt.name}.bcast"] = hvd.broadcast(t, root_rank=1).numpy()
         got[f"eager.{dt.name}.gather"] = hvd.allgather(t[: 3 + r]).numpy()
-    got["eager.f32.product"] = hvd.allreduce(tf.constant([1.5, -2.0, 3.0]) * (r + 1), op=ops.Product).numpy()
+    got["eager.f32.product"] = hvd.allreduce(tf.constant([1.5, -2.0, 3.0]) * (r + 1), op=hvd.Product).numpy()
     x = tf.constant(np.arange(12, dtype=np.float32).reshape(6, 2) + 100 * r)
-    got["eager.a2a.even"] = ops.alltoall(x).numpy()
-    o, rs = ops.alltoall(x[: 2 + r], splits=[2 + r, 0])
+    got["eager.a2a.even"] = hvd.alltoall(x).numpy()
+    o, rs = hvd.alltoall(x[: 2 + r], splits=[2 + r, 0])
     got["eager.a2a.uneven"], got["eager.a2a.uneven.splits"] = o.numpy(), rs.numpy()
-    o, rs = ops.alltoall(tf.zeros((0, 2), tf.int32), splits=[0, 0])
+    o, rs = hvd.alltoall(tf.zeros((0, 2), tf.int32), splits=[0, 0])
     got["eager.a2a.empty"], got["eager.a2a.empty.splits"] = o.numpy(), rs.numpy()
-    got["eager.rs.sum"] = ops.reducescatter(tf.constant(np.arange(10, dtype=np.float64).reshape(5, 2)) * (r + 1),
-                                            op=ops.Sum).numpy()
-    got["eager.rs.avg.i32"] = ops.reducescatter(tf.constant([[7], [-3], [1]], tf.int32) * (r + 1)).numpy()
-    got["eager.rs.fp16"] = ops.reducescatter(tf.constant([[0.1, 0.2]] * 3) * (r + 1), compression="fp16").numpy()
-    g = ops.grouped_reducescatter([tf.ones((3, 2)) * (r + 1), tf.ones((4,), tf.int64)], op=ops.Sum)
+    got["eager.rs.sum"] = hvd.reducescatter(tf.constant(np.arange(10, dtype=np.float64).reshape(5, 2)) * (r + 1),
+                                            op=hvd.Sum).numpy()
+    got["eager.rs.avg.i32"] = hvd.reducescatter(tf.constant([[7], [-3], [1]], tf.int32) * (r + 1)).numpy()
+    got["eager.rs.fp16"] = hvd.reducescatter(tf.constant([[0.1, 0.2]] * 3) * (r + 1), compression="fp16").numpy()
+    g = hvd.grouped_reducescatter([tf.ones((3, 2)) * (r + 1), tf.ones((4,), tf.int64)], op=hvd.Sum)
     got["eager.grs.0"], got["eager.grs.1"] = g[0].numpy(), g[1].numpy()
     with tf.GradientTape() as tape:
         tape.watch(x)
-        o, _ = ops.alltoall(x, splits=[1, 5])
-        y = ops.reducescatter(x * 2.0, op=ops.Average)
+        o, _ = hvd.alltoall(x, splits=[1, 5])
+        y = hvd.reducescatter(x * 2.0, op=hvd.Average)
         loss = tf.reduce_sum(o * o) + tf.reduce_sum(y * y)
     got["eager.grad"] = tape.gradient(loss, x).numpy()
 
@@ -113,14 +113,14 @@ def parity15(out):
     def graph(a, b):
         with tf.GradientTape() as tape:
             tape.watch(a)
-            o, rs = ops.alltoall(a, splits=[1 + r, 5 - r], name="g.a2a")
-            d = ops.alltoall(a, name="g.a2a.even")
-            y = ops.reducescatter(a * 2.0, op=ops.Sum, name="g.rs")
+            o, rs = hvd.alltoall(a, splits=[1 + r, 5 - r], name="g.a2a")
+            d = hvd.alltoall(a, name="g.a2a.even")
+            y = hvd.reducescatter(a * 2.0, op=hvd.Sum, name="g.rs")
             loss = tf.reduce_sum(o * o) + tf.reduce_sum(y) + tf.reduce_sum(d)
         gr = tape.gradient(loss, a)
         p = hvd.allreduce(b, op="product", name="g.prod")
         bo = hvd.allreduce(tf.cast(b, tf.bool), op="sum", name="g.bool")
-        gs = ops.grouped_reducescatter([a, tf.cast(b, tf.float16)], op=ops.Average)
+        gs = hvd.grouped_reducescatter([a, tf.cast(b, tf.float16)], op=hvd.Average)
         return [o, rs, d, y, gr, p, bo] + gs
 
     for step in range(2):
@@ -221,21 +221,22 @@ def hold():
         assert a.tobytes() == b.tobytes(), "holding the submits changed the result"
 
     ts = [tf.constant(np.full(256, k + r, np.float32)) for k in range(6)]  # 1 KiB each
-    settings = [fx.comm.collectives.allreduce_settings(np.float32, "sum", c, 1.0, 1.0, cap)
-                for c, cap in [("none", 2 / 1024)] * 6]
-    assert ops.held(ts, range(6), settings) == {0, 2, 4}  # buckets of 2 KiB: the second of each pair releases
-    assert ops.held(ts, [5, 4, 3, 2, 1, 0], settings) == {5, 3, 1}
-    assert ops.held(ts, range(6), [(o, "bf16", p, q, 0) for o, _, p, q, _ in settings]) == {0, 1, 2, 3, 4}
+    opts = fx.comm.options.allreduce("sum", bucket_cap_mb=2 / 1024)
+    assert ops.held(ts, range(6), opts) == {0, 2, 4}  # buckets of 2 KiB: the second of each pair releases
+    assert ops.held(ts, [5, 4, 3, 2, 1, 0], opts) == {5, 3, 1}
+    assert ops.held(ts, range(6), fx.comm.options.allreduce("sum", "bf16")) == {0, 1, 2, 3, 4}  # default cap
     big = [tf.zeros(ops.HOLD_BYTES // 4 // 2 + 1)] * 5  # float32: each a little over half the hold limit
-    got_held = ops.held(big, range(5), [settings[0][:4] + (4 << 20,)] * 5)  # a bucket cap above the limit
+    got_held = ops.held(big, range(5), fx.comm.options.allreduce("sum", bucket_cap_mb=4))  # a cap above the limit
     assert got_held == {0, 2}, got_held  # runs end at HOLD_BYTES
     got = hvd.grouped_allreduce(ts, op="sum", bucket_cap_mb=2 / 1024)
     for k, g in enumerate(got):
         assert np.array_equal(g.numpy(), np.full(256, 2 * k + 1, np.float32)), k
 
     t = tf.constant(np.arange(100, dtype=np.float32) + r)
-    out, h = native.submit(t, "allreduce", "hold.orphan", "sum", hold=True)  # no submit ever releases it
-    got = native.wait(out, h).numpy()
+    from fastxfer.tensorflow import backend
+
+    p = backend.submit(t, fx.comm.options.allreduce("sum"), "hold.orphan", hold=True)  # no submit ever releases it
+    got = backend.wait(p).numpy()
     assert np.array_equal(got, 2 * np.arange(100, dtype=np.float32) + 1), got[:4]
     print(f"OK hold rank {r}", flush=True)
 
@@ -260,8 +261,8 @@ if __name__ == "__main__":
     what = sys.argv[1]
     if what == "programs":
         programs(sys.argv[2])
-    elif what == "parity15":
-        parity15(sys.argv[2])
+    elif what == "engine_collectives":
+        engine_collectives(sys.argv[2])
     elif what == "legacy":
         legacy(sys.argv[2])
     elif what == "timeline":

@@ -9,15 +9,15 @@ Every collective takes ``process_set=``: None (every rank) or a registered Proce
 from __future__ import annotations
 
 import itertools
-import math
 import pickle
 import threading
+from dataclasses import replace
 
 import numpy as np
 
 from fastxfer import _core
 from fastxfer import _validate as check
-from fastxfer.comm import group, process_sets
+from fastxfer.comm import group, options, process_sets
 
 _lock = threading.Lock()
 _counters: dict[str, itertools.count] = {}
@@ -51,15 +51,6 @@ def _auto_name(kind: str, ps=None) -> str:
     with _lock:
         c = _counters.setdefault(key, itertools.count())
         return f"{key}.{next(c)}"
-
-
-def _group_of(process_set):
-    """(the resolved set or None, its size, its ranks or None for every rank)."""
-    ps = process_sets.resolve(process_set)
-    if ps is None:
-        return None, group.size(), None
-    ranks = ps.ranks
-    return ps, len(ranks), ranks
 
 
 def _sweep(eng) -> None:
@@ -110,20 +101,20 @@ class Handle:
                 pass
 
 
-def _submit(kind: str, name, arr, out, op="sum", compression="none", root=0, prescale=1.0, postscale=1.0,
-            shape=None, dtype=None, bucket_cap=0, sync=False, splits=(), ps=None) -> Handle:
-    eng = process_sets.engine_of(ps)
-    if name is None:
-        name = _auto_name(kind, ps)
-    elif not isinstance(name, str):
-        raise TypeError(f"name must be a str, not {type(name).__name__}")
+def submit(opts: options.CollectiveOptions, arr, out=None, sync: bool = False, splits=()) -> Handle:
+    """Hand one collective to the engine of ``opts``' process set: ``arr`` (None for barrier and
+    join) already checked against ``opts``, ``out`` the result buffer (None: the engine allocates
+    it, for the gathering kinds). ``opts.name`` None: numbered automatically. ``sync``: the caller
+    waits at once, and its wait() runs the round on this thread (engine.h). The one way every
+    collective on arrays -- numpy's, and the TensorFlow bridge's -- reaches the engine."""
+    eng = process_sets.engine_of(opts.process_set)
+    name = opts.name if opts.name is not None else _auto_name(opts.kind, opts.process_set)
     with _lock:
         _sweep(eng)
-        # sync: the caller waits at once, and its wait() runs the round on this thread (engine.h)
-        rid = eng.submit(kind, name, arr, out, op, compression, root, float(prescale), float(postscale), bucket_cap,
-                         sync, list(splits))
+        rid = eng.submit(opts.kind, name, arr, out, opts.op, opts.wire_for(arr.dtype) if arr is not None else "none",
+                         opts.root, opts.prescale, opts.postscale, opts.bucket_cap, sync, list(splits))
         _keepalive[rid] = (arr, out)
-    return Handle(eng, rid, out, kind, shape, dtype)
+    return Handle(eng, rid, out, opts.kind, None if arr is None else arr.shape, None if arr is None else arr.dtype)
 
 
 def allreduce_async(array, op: str = "average", compression: str = "none", name: str | None = None,
@@ -142,116 +133,67 @@ def allreduce_async(array, op: str = "average", compression: str = "none", name:
     pass the same value); None uses ``init``'s. ``process_set``: reduce among that set's ranks
     only (an average divides by its size).
     """
-    return _allreduce(array, op, compression, name, prescale, postscale, out, bucket_cap_mb, False, process_set)
+    return _allreduce(array, options.allreduce(op, compression, prescale, postscale, bucket_cap_mb, process_set, name),
+                      out, False)
 
 
-def _allreduce(array, op, compression, name, prescale, postscale, out, bucket_cap_mb, sync, process_set) -> Handle:
-    ps, n, _ = _group_of(process_set)
+def _allreduce(array, opts: options.CollectiveOptions, out, sync) -> Handle:
     a = check.array(array)
-    op, compression, prescale, post, cap = allreduce_settings(a.dtype, op, compression, prescale, postscale,
-                                                              bucket_cap_mb, n)
+    opts.check_dtype(a.dtype)
     out = _fresh_like(a) if out is None else check.out_like(out, a)
-    return _submit("allreduce", name, a, out, op, compression, 0, prescale, post, bucket_cap=cap, sync=sync, ps=ps)
-
-
-def allreduce_settings(dtype, op, compression, prescale, postscale, bucket_cap_mb, size=None, divide=True):
-    """Checks an allreduce's options for arrays of ``dtype`` and returns what the engine is given:
-    (op, compression, prescale, postscale, bucket cap in bytes), the postscale including the
-    1/size of an average (``size``: the ranks taking part, default every rank). Shared by the
-    numpy and the TensorFlow collectives, so both describe (and compute) the same reduction.
-    ``divide=False`` leaves an average's 1/size out: the native TensorFlow ops' requests get it
-    from the engine that runs them, when they are submitted (engine/c_api.cc), so a graph traced
-    before an elastic job changed size averages over the new size."""
-    dtype = np.dtype(dtype)
-    op = check.op(op)
-    compression = check.compression(compression, dtype)
-    for what, v in (("prescale", prescale), ("postscale", postscale)):
-        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
-            raise TypeError(f"{what} must be a number, not {type(v).__name__}")
-        if not math.isfinite(v):
-            raise ValueError(f"{what} must be a finite number, not {v!r}")
-    if dtype.kind in "iub":
-        # Integers average as Horovod does: the wrapped sum times 1/size in double precision,
-        # truncated toward zero (docs/algorithms.md, "Integers, bool and product"). bool has no average.
-        if op == "average" and dtype.kind == "b":
-            raise TypeError("op='average' needs a numeric dtype, not bool: sum is a logical or, min a logical and")
-        if prescale != 1.0 or postscale != 1.0:
-            raise TypeError(f"{dtype.name} arrays cannot be scaled")
-    if prescale != 1.0 and (dtype == check.DTYPES["float16"] or check.is_bfloat16(dtype)):
-        raise ValueError(f"prescale is not supported for {dtype.name} arrays (scale in float32 first)")
-    if op == "average" and divide:
-        post = postscale / (group.size() if size is None else size)
-    else:
-        post = postscale
-    return op, compression, float(prescale), float(post), check.bucket_cap_bytes(bucket_cap_mb)
+    return submit(opts, a, out, sync)
 
 
 def allreduce(array, op: str = "average", compression: str = "none", name: str | None = None,
               prescale: float = 1.0, postscale: float = 1.0, out: np.ndarray | None = None,
               bucket_cap_mb: float | None = None, process_set=None) -> np.ndarray:
     """Reduce ``array`` across all ranks and return the result (see allreduce_async)."""
-    return _allreduce(array, op, compression, name, prescale, postscale, out, bucket_cap_mb, True,
-                      process_set).wait()
+    return _allreduce(array, options.allreduce(op, compression, prescale, postscale, bucket_cap_mb, process_set, name),
+                      out, True).wait()
 
 
 def oob_allreduce(array, op: str = "average", name: str | None = None, process_set=None) -> np.ndarray:
     """Reduce a small array (metrics, flags) on a lane of its own: it never waits behind gradient
     buckets. Runs on the calling thread; the GIL is released while waiting."""
-    ps, n, _ = _group_of(process_set)
-    eng = process_sets.engine_of(ps)
+    opts = options.allreduce(op, process_set=process_set, name=name)
+    eng = process_sets.engine_of(opts.process_set)
     a = check.array(array)
-    op = check.op(op)
-    if a.dtype.kind == "b" and op == "average":
-        raise TypeError("op='average' needs a numeric dtype, not bool: sum is a logical or, min a logical and")
+    opts.check_dtype(a.dtype)
     if a.nbytes > eng.oob_capacity:
         raise ValueError(f"oob_allreduce is for small arrays (at most {eng.oob_capacity} bytes); this one has "
                          f"{a.nbytes}: use allreduce")
     out = np.empty_like(a)
-    post = 1.0 / n if op == "average" else 1.0
-    eng.oob_allreduce(a, out, name if name is not None else _auto_name("oob_allreduce", ps), op, post)
+    post = 1.0 / opts.size if opts.op == "average" else 1.0
+    eng.oob_allreduce(a, out, name if name is not None else _auto_name("oob_allreduce", opts.process_set), opts.op,
+                      post)
     return out
-
-
-def root_index(root, ranks) -> int:
-    """A broadcast's root (a rank of the job) as the engine numbers it: its position in the
-    process set's ``ranks`` (None: every rank, the rank itself). ValueError when it is not one."""
-    size = group.size()
-    if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < size:
-        raise ValueError(f"root must be a rank in 0..{size - 1}, not {root!r}")
-    if ranks is None:
-        return int(root)
-    if int(root) not in ranks:
-        raise ValueError(f"root rank {root} is not in the process set (ranks {ranks})")
-    return ranks.index(int(root))
 
 
 def broadcast(array, root: int = 0, name: str | None = None, process_set=None) -> np.ndarray:
     """Every rank gets a copy of ``root``'s array (shapes and dtypes must match on all ranks).
     In a process set, ``root`` is a rank of the job that belongs to the set."""
-    ps, _, ranks = _group_of(process_set)
+    opts = options.broadcast(root, process_set, name)
     a = check.array(array)
-    r = root_index(root, ranks)
-    out = _fresh_like(a)
-    return _submit("broadcast", name, a, out, root=r, sync=True, ps=ps).wait()
+    return submit(opts, a, _fresh_like(a), sync=True).wait()
 
 
 def allgather(array, name: str | None = None, process_set=None) -> np.ndarray:
     """Concatenate every rank's array along axis 0, in rank order. First dimensions may differ;
     the other dimensions and the dtype must match."""
-    ps, _, _ = _group_of(process_set)
+    opts = options.gather("allgather", process_set, name)
     a = check.array(array)
-    if a.ndim == 0:
-        raise ValueError("allgather needs at least one dimension (concatenates along axis 0); use a[None]")
-    if a.ndim > 8:
-        raise ValueError(f"allgather supports at most 8 dimensions, not {a.ndim}; reshape first")
-    return _submit("allgather", name, a, None, shape=a.shape, dtype=a.dtype, sync=True, ps=ps).wait()
+    check_first_dim(a.ndim, "allgather")
+    return submit(opts, a, sync=True).wait()
 
 
-def _first_dim(a: np.ndarray, what: str) -> None:
-    if a.ndim == 0:
-        raise ValueError(f"{what} needs at least one dimension (it splits the first one); use a[None]")
-    if a.ndim > 8:
-        raise ValueError(f"{what} supports at most 8 dimensions, not {a.ndim}; reshape first")
+def check_first_dim(ndim, what: str) -> None:
+    """allgather, alltoall and reducescatter work along the first dimension, of at most 8
+    (``ndim`` None: not known yet, a traced tensor)."""
+    if ndim == 0:
+        how = "concatenates along" if what == "allgather" else "splits"
+        raise ValueError(f"{what} needs at least one dimension (it {how} the first one); use a[None]")
+    if ndim is not None and ndim > 8:
+        raise ValueError(f"{what} supports at most 8 dimensions, not {ndim}; reshape first")
 
 
 def split_counts(splits) -> list[int]:
@@ -267,10 +209,10 @@ def split_counts(splits) -> list[int]:
 
 def alltoall_async(array, splits=None, name: str | None = None, process_set=None) -> Handle:
     """Start an alltoall (see alltoall); ``wait()`` returns (received, received_splits)."""
-    ps, _, _ = _group_of(process_set)
+    opts = options.gather("alltoall", process_set, name)
     a = check.array(array)
-    _first_dim(a, "alltoall")
-    return _submit("alltoall", name, a, None, shape=a.shape, dtype=a.dtype, splits=split_counts(splits), ps=ps)
+    check_first_dim(a.ndim, "alltoall")
+    return submit(opts, a, splits=split_counts(splits))
 
 
 def alltoall(array, splits=None, name: str | None = None, process_set=None) -> tuple[np.ndarray, np.ndarray]:
@@ -280,23 +222,17 @@ def alltoall(array, splits=None, name: str | None = None, process_set=None) -> t
     here, concatenated in rank order, and how many came from each rank (int64). Ranks' splits
     and first dimensions may differ; the other dimensions and the dtype must match. In a process
     set, ``splits`` has one entry per rank of the set, in the set's order."""
-    ps, _, _ = _group_of(process_set)
+    opts = options.gather("alltoall", process_set, name)
     a = check.array(array)
-    _first_dim(a, "alltoall")
-    return _submit("alltoall", name, a, None, shape=a.shape, dtype=a.dtype, sync=True,
-                   splits=split_counts(splits), ps=ps).wait()
+    check_first_dim(a.ndim, "alltoall")
+    return submit(opts, a, sync=True, splits=split_counts(splits)).wait()
 
 
-def _reducescatter(array, op, name, prescale, postscale, sync, process_set) -> Handle:
-    ps, n, _ = _group_of(process_set)
+def _reducescatter(array, opts: options.CollectiveOptions, sync) -> Handle:
     a = check.array(array)
-    _first_dim(a, "reducescatter")
-    op = check.op(op)
-    if op not in ("sum", "average"):
-        raise ValueError(f"reducescatter takes op 'sum' or 'average', not {op!r}")
-    op, _, pre, post, _ = allreduce_settings(a.dtype, op, "none", prescale, postscale, None, n)
-    return _submit("reducescatter", name, a, None, op, "none", 0, pre, post, shape=a.shape, dtype=a.dtype, sync=sync,
-                   ps=ps)
+    check_first_dim(a.ndim, "reducescatter")
+    opts.check_dtype(a.dtype)
+    return submit(opts, a, sync=sync)
 
 
 def reducescatter(array, op: str = "average", name: str | None = None, prescale: float = 1.0,
@@ -305,21 +241,21 @@ def reducescatter(array, op: str = "average", name: str | None = None, prescale:
     this rank's rows of the result. The first dimension is split as evenly as possible, the first
     (rows mod size) ranks getting one row more. ``op``: average or sum. Pre- and post-scale
     multiply the reduced values once (their product), after the sum."""
-    return _reducescatter(array, op, name, prescale, postscale, True, process_set).wait()
+    return _reducescatter(array, options.reducescatter(op, "none", prescale, postscale, process_set, name), True).wait()
 
 
 def grouped_reducescatter(arrays, op: str = "average", name: str | None = None, prescale: float = 1.0,
                           postscale: float = 1.0, process_set=None) -> list[np.ndarray]:
     """reducescatter of every array in the list, all submitted before any is waited for."""
-    hs = [_reducescatter(a, op, None if name is None else f"{name}.{i}", prescale, postscale, False, process_set)
+    opts = options.reducescatter(op, "none", prescale, postscale, process_set)
+    hs = [_reducescatter(a, opts if name is None else replace(opts, name=f"{name}.{i}"), False)
           for i, a in enumerate(arrays)]
     return [h.wait() for h in hs]
 
 
 def barrier(process_set=None) -> None:
     """Returns once every rank (of the process set) has called barrier()."""
-    ps, _, _ = _group_of(process_set)
-    _submit("barrier", "barrier", None, None, sync=True, ps=ps).wait()
+    submit(options.gather("barrier", process_set, "barrier"), None, sync=True).wait()
 
 
 def join() -> int:
@@ -330,7 +266,7 @@ def join() -> int:
     and discarding the results. Other collectives while some ranks have joined are a
     MismatchError. Returns the rank that joined last, on every rank. Runs on the global set."""
     group.engine()  # FastxferError before init() (or in a forked child)
-    return int(_submit("join", "join", None, None, sync=True).wait())
+    return int(submit(options.gather("join", None, "join"), None, sync=True).wait())
 
 
 def broadcast_object(obj, root: int = 0, name: str | None = None, process_set=None):
@@ -360,6 +296,6 @@ def allgather_object(obj, name: str | None = None, process_set=None) -> list:
     return out
 
 
-__all__ = ["Handle", "allgather", "allgather_object", "allreduce", "allreduce_async", "allreduce_settings", "alltoall",
-           "alltoall_async", "barrier", "broadcast", "broadcast_object", "root_index", "grouped_reducescatter", "join", "oob_allreduce",
-           "reducescatter", "split_counts"]
+__all__ = ["Handle", "allgather", "allgather_object", "allreduce", "allreduce_async", "alltoall", "alltoall_async",
+           "barrier", "broadcast", "broadcast_object", "check_first_dim", "grouped_reducescatter", "join",
+           "oob_allreduce", "reducescatter", "split_counts", "submit"]

@@ -16,12 +16,12 @@ Design notes and the table of every Horovod name: docs/keras.md.
 import os
 
 from fastxfer import FastxferError, MismatchError, PeerFailureError
-from fastxfer.keras import _optimizer, callbacks, elastic, optimizers, schedules
+from fastxfer.keras import callbacks, elastic, optimizers, schedules
 from fastxfer.keras._collectives import allgather, allreduce, broadcast, reducescatter
-from fastxfer.keras._layers import SyncBatchNormalization, tf_keras_sync_batch_normalization
-from fastxfer.keras._optimizer import DistributedOptimizer, PartialDistributedOptimizer, load_model
 from fastxfer.keras.optimizers import LARS, RMSpropToSGD
 from fastxfer.keras.schedules import scale_lr
+from fastxfer.tensorflow.keras_optimizer import DistributedOptimizer, PartialDistributedOptimizer, load_model
+from fastxfer.tensorflow.sync_batch_norm import SyncBatchNormalization, tf_keras_sync_batch_normalization
 from fastxfer.tensorflow import (Average, Compression, Compressor, Max, Min, Product, ProcessSet, Sum,
                                  add_process_set, allgather_object, broadcast_global_variables, broadcast_object,
                                  broadcast_object_fn, broadcast_variables, ccl_built, cross_rank, cross_size,
@@ -30,10 +30,6 @@ from fastxfer.tensorflow import (Average, Compression, Compressor, Max, Min, Pro
                                  mpi_threads_supported, nccl_built, oob_allreduce, rank, remove_process_set,
                                  rocm_built, shutdown, size, start_timeline, stop_timeline, sycl_built)
 
-# model.fit of a model with a DistributedOptimizer must trace its training step without XLA
-_optimizer.install_trainer_hook()
-# Horovod scripts pass model.compile(..., experimental_run_tf_function=False), which Keras 3 lacks
-_optimizer.install_compile_shim()
 
 
 if os.environ.get("TF_USE_LEGACY_KERAS") == "1":  # tf.keras is tf-keras: its models take its layers

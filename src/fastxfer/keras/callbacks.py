@@ -19,7 +19,7 @@ else:
 
 import fastxfer as _fx
 import fastxfer.tensorflow as _ftf
-from fastxfer.keras._distributed import accumulators
+from fastxfer.tensorflow.distributed_optimizer import accumulators
 from fastxfer.tensorflow.tape import variable_keys
 
 

@@ -35,7 +35,7 @@ else:
     import keras
 
 from fastxfer.elastic import HostsUpdatedInterrupt, ObjectState, State
-from fastxfer.keras._distributed import accumulators
+from fastxfer.tensorflow.distributed_optimizer import accumulators
 from fastxfer.tensorflow.elastic import TensorFlowKerasState, TensorFlowState, run
 
 

@@ -5,20 +5,20 @@ Swap the import and a Horovod TensorFlow 2 script runs::
 
     import fastxfer.tensorflow as hvd           # was: import horovod.tensorflow as hvd
 
-Modules: ``ops`` (the collectives: submit/wait ops, their order in a traced graph, op and
-compression names), ``api`` (Horovod's signatures over ``ops``: deprecated ``average=``, sparse
-tensors, compressor objects), ``compression`` (Compressor, Compression), ``basics`` (rank and
+Modules, top-down as a collective flows: ``api`` (Horovod's signatures: builds each call's
+CollectiveOptions once; deprecated ``average=``, sparse tensors), ``ops`` (the collectives on
+tensors given their options: naming, grouping, holds, gradients), ``backend`` (the one seam to the
+engine: ``submit``/``wait``, native ops or the numpy_function bridge, trace order),
+``compression`` (Compressor, Compression), ``basics`` (rank and
 capability queries, timeline, process sets), ``overlap`` (pinning gradient submits into the
 backward pass), ``tape`` (DistributedGradientTape, PartialDistributedGradientTape,
 reduce_gradients), ``functions`` (variables and Python objects). Design notes and the table of
 every Horovod name: docs/tensorflow.md.
 """
 
-import importlib
-
 from fastxfer import (FastxferError, MismatchError, PeerFailureError, init, is_initialized, local_rank, local_size,
                       rank, shutdown, size)
-from fastxfer.tensorflow import elastic, ops
+from fastxfer.tensorflow import backend, elastic
 from fastxfer.tensorflow.api import (Adasum, Average, Max, Min, Product, Sum, allgather, allreduce, alltoall, broadcast,
                                      broadcast_, check_num_rank_power_of_2, grouped_allgather, grouped_allreduce,
                                      grouped_reducescatter, handle_average_backwards_compatibility, join,
@@ -31,7 +31,8 @@ from fastxfer.tensorflow.basics import (ProcessSet, add_process_set, ccl_built, 
 from fastxfer.tensorflow.compression import Compression, Compressor
 from fastxfer.tensorflow.functions import (allgather_object, broadcast_global_variables, broadcast_object,
                                            broadcast_object_fn, broadcast_variables)
-from fastxfer.tensorflow.ops import in_xla_context, oob_allreduce
+from fastxfer.tensorflow.backend import in_xla_context
+from fastxfer.tensorflow.ops import oob_allreduce
 from fastxfer.tensorflow.optimizer import DistributedOptimizer
 from fastxfer.tensorflow.tape import DistributedGradientTape, PartialDistributedGradientTape, reduce_gradients
 
@@ -39,11 +40,12 @@ from fastxfer.tensorflow.tape import DistributedGradientTape, PartialDistributed
 def __getattr__(name):
     # `submitted` is a live counter (collectives handed to the engine so far): read it afresh each time
     if name == "submitted":
-        return ops.submitted_count()
+        return backend.submitted_count()
     if name == "SyncBatchNormalization":
-        # a Keras layer of the layer above (fastxfer.keras), loaded on first use, never statically:
-        # see optimizer.py
-        return importlib.import_module("fastxfer.keras").SyncBatchNormalization
+        # a Keras layer: keras is imported on first use, not with this package
+        from fastxfer.tensorflow.sync_batch_norm import SyncBatchNormalization
+
+        return SyncBatchNormalization
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

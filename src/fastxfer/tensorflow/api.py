@@ -1,6 +1,11 @@
 """Horovod's collectives on tensors with Horovod's signatures: ``allreduce``, ``grouped_allreduce``,
-``allgather``, ``grouped_allgather``, ``broadcast``, ``broadcast_`` -- over ``ops`` (the native
-submit/wait ops), adding what Horovod's front end does in TensorFlow:
+``allgather``, ``grouped_allgather``, ``broadcast``, ``broadcast_``, ``alltoall``, ``reducescatter``,
+``grouped_reducescatter``, ``join``.
+
+This is the public entry of every TensorFlow collective: each function turns its arguments into
+one ``CollectiveOptions`` here (fastxfer.comm.options: the only place they are checked) and hands
+it to ``ops``, which reaches the engine through ``backend``. What Horovod's front end adds in
+TensorFlow is done here too:
 
 - ``op=None`` means Average; ``average=`` (deprecated in Horovod 0.19) still works, and giving both
   is a ValueError, as in Horovod;
@@ -13,26 +18,26 @@ submit/wait ops), adding what Horovod's front end does in TensorFlow:
 - ``process_set``: a registered set (fastxfer.comm.process_sets) runs the collective among its
   ranks, on its own engine; a broadcast's root is then a rank of the job inside the set.
 
-``alltoall``, ``reducescatter`` and ``grouped_reducescatter`` are ``ops``' native collectives;
 ``join`` is the engine's (fastxfer.join), eagerly, on the global set.
 """
 
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import tensorflow as tf
 
 import fastxfer as fx
+from fastxfer.comm import options
 from fastxfer.tensorflow import ops
-from fastxfer.tensorflow.basics import global_process_set, resolve_process_set
-from fastxfer.tensorflow.compression import Compression, resolve
+from fastxfer.tensorflow.basics import global_process_set
+from fastxfer.tensorflow.compression import Compression
 
 # Python that builds graphs without data-dependent control flow: nothing for AutoGraph to convert
 _no_autograph = tf.autograph.experimental.do_not_convert
 
-Average, Sum, Min, Max = ops.Average, ops.Sum, ops.Min, ops.Max
-Product = getattr(ops, "Product", "product")
+Average, Sum, Min, Max, Product = ops.Average, ops.Sum, ops.Min, ops.Max, ops.Product
 Adasum = "adasum"
 
 __all__ = ["Adasum", "Average", "Max", "Min", "Product", "Sum", "allgather", "allreduce", "alltoall", "broadcast",
@@ -63,33 +68,23 @@ def _op(op, average):
     op = handle_average_backwards_compatibility(op, average)
     if isinstance(op, str) and op.lower() == Adasum:
         raise NotImplementedError("op=Adasum: fastxfer does not implement Adasum; use Average (or Sum)")
-    return ops.check_op(op)
+    return op
 
 
-def wire_for(tensor, wire: str) -> str:
-    """The engine compresses float32 only; other dtypes travel as they are (Horovod's fp16
-    compressor likewise leaves non-float tensors alone)."""
-    return wire if tensor.dtype == tf.float32 else "none"
+def allreduce_options(op=None, average=None, compression=Compression.none, prescale_factor=1.0,
+                      postscale_factor=1.0, process_set=global_process_set, name=None, bucket_cap_mb=None):
+    """The options of a TensorFlow allreduce from Horovod's arguments (user compressors allowed)."""
+    return options.allreduce(_op(op, average), compression, prescale_factor, postscale_factor, bucket_cap_mb,
+                             process_set, name, compressors=True)
 
 
-def _sparse(s: tf.IndexedSlices, op, name, prescale_factor, postscale_factor, ps=None) -> tf.IndexedSlices:
-    if op not in (Sum, Average):
-        raise NotImplementedError("Only Sum and Average ops are supported with tf.IndexedSlices")
-    if prescale_factor != 1.0 or postscale_factor != 1.0:
+def _sparse(s: tf.IndexedSlices, opts, name) -> tf.IndexedSlices:
+    if opts.prescale != 1.0 or opts.postscale != 1.0:
         raise NotImplementedError("Pre/postscale_factor are not supported with tf.IndexedSlices")
-    return gather_slices(s, op, None if name is None else f"{name}.values", None if name is None else f"{name}.indices",
-                         ps)
-
-
-def gather_slices(s: tf.IndexedSlices, op, values_name, indices_name, ps=None) -> tf.IndexedSlices:
-    """An IndexedSlices "reduced" Horovod's way: every rank's values and indices concatenated
-    (duplicate indices add up when applied), the values divided by the number of ranks (of the
-    process set ``ps``) for Average."""
-    values = ops.allgather(s.values, name=values_name, process_set=ps)
-    indices = ops.allgather(s.indices, name=indices_name, process_set=ps)
-    if op == Average:
-        values = values / tf.cast(fx.size() if ps is None else ps.size(), values.dtype)
-    return tf.IndexedSlices(values, indices, dense_shape=s.dense_shape)
+    if opts.op not in (Sum, Average):
+        raise NotImplementedError("Only Sum and Average ops are supported with tf.IndexedSlices")
+    return ops.gather_slices(s, opts.op, opts, None if name is None else f"{name}.values",
+                             None if name is None else f"{name}.indices")
 
 
 @_no_autograph
@@ -97,21 +92,12 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
               prescale_factor=1.0, postscale_factor=1.0, name=None, process_set=global_process_set,
               ignore_name_scope=False):
     """Reduce a tensor (or tf.Variable, or tf.IndexedSlices) across all ranks, eagerly or inside a
-    tf.function. ``op``: Average (default), Sum, Min, Max. A tf.IndexedSlices is allgathered
-    (values and indices) instead, as in Horovod."""
-    ps = resolve_process_set(process_set)
-    op = _op(op, average)
+    tf.function. ``op``: Average (default), Sum, Min, Max, Product. A tf.IndexedSlices is
+    allgathered (values and indices) instead, as in Horovod."""
+    opts = allreduce_options(op, average, compression, prescale_factor, postscale_factor, process_set, name)
     if isinstance(tensor, tf.IndexedSlices):
-        return _sparse(tensor, op, name, prescale_factor, postscale_factor, ps)
-    wire, user = resolve(compression)
-    t = tf.convert_to_tensor(tensor)
-    if user is not None:
-        c, ctx = user.compress(t)
-        r = ops.allreduce(c, op=op, compression="none", name=name, prescale_factor=prescale_factor,
-                          postscale_factor=postscale_factor, process_set=ps)
-        return user.decompress(r, ctx)
-    return ops.allreduce(t, op=op, compression=wire_for(t, wire), name=name, prescale_factor=prescale_factor,
-                         postscale_factor=postscale_factor, process_set=ps)
+        return _sparse(tensor, opts, name)
+    return ops.allreduce(tf.convert_to_tensor(tensor), opts)
 
 
 @_no_autograph
@@ -122,11 +108,11 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
     fastxfer's additions: ``names`` (one per tensor, identical on every rank), ``order`` (a
     permutation: the order the dense tensors are handed to the engine, e.g. reversed for gradients)
     and ``bucket_cap_mb``."""
-    ps = resolve_process_set(process_set)
+    opts = allreduce_options(op, average, compression, prescale_factor, postscale_factor, process_set, name,
+                             bucket_cap_mb)
     if not tensors:
         return tensors
     tensors = list(tensors)
-    op = _op(op, average)
     n = len(tensors)
     if names is not None and len(names) != n:
         raise ValueError(f"{len(names)} names for {n} tensors")
@@ -136,55 +122,41 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
     if sorted(order) != list(range(n)):
         raise ValueError("order must be a permutation of range(len(tensors))")
     out = [None] * n
-    sparse = [i for i in order if isinstance(tensors[i], tf.IndexedSlices)]
     dense = [i for i in order if not isinstance(tensors[i], tf.IndexedSlices)]
     if dense:
-        wire, user = resolve(compression)
-        ts = {i: tf.convert_to_tensor(tensors[i]) for i in dense}
-        ctxs = {}
-        if user is not None:
-            for i in dense:
-                ts[i], ctxs[i] = user.compress(ts[i])
-        wires = {i: ("none" if user is not None else wire_for(ts[i], wire)) for i in dense}
-        for w in dict.fromkeys(wires[i] for i in dense):  # one grouped call per wire format, in `order`
-            idx = [i for i in dense if wires[i] == w]
-            red = ops.grouped_allreduce([ts[i] for i in idx], op=op, compression=w, prescale_factor=prescale_factor,
-                                        postscale_factor=postscale_factor,
-                                        names=None if names is None else [names[i] for i in idx],
-                                        bucket_cap_mb=bucket_cap_mb, process_set=ps)
-            for i, r in zip(idx, red):
-                out[i] = user.decompress(r, ctxs[i]) if user is not None else r
-    for i in sparse:
-        out[i] = _sparse(tensors[i], op, None if names is None else names[i], prescale_factor, postscale_factor, ps)
+        red = ops.grouped_allreduce([tensors[i] for i in dense], opts,
+                                    None if names is None else [names[i] for i in dense])
+        for i, r in zip(dense, red):
+            out[i] = r
+    for i in order:
+        if isinstance(tensors[i], tf.IndexedSlices):
+            out[i] = _sparse(tensors[i], opts, None if names is None else names[i])
     return out
 
 
 @_no_autograph
 def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
     """Concatenation of every rank's tensor along the first dimension (which may differ between ranks)."""
-    ps = resolve_process_set(process_set)
-    return ops.allgather(tensor, name=name, process_set=ps)
+    return ops.allgather(tensor, options.gather("allgather", process_set, name))
 
 
 @_no_autograph
 def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=global_process_set):
     """allgather of each tensor of a list."""
-    ps = resolve_process_set(process_set)
-    return [ops.allgather(t, name=None if name is None else f"{name}.{i}", process_set=ps)
+    opts = options.gather("allgather", process_set, name)
+    return [ops.allgather(t, opts if name is None else replace(opts, name=f"{name}.{i}"))
             for i, t in enumerate(tensors)]
 
 
 @_no_autograph
 def broadcast(tensor, root_rank=0, name=None, ignore_name_scope=False, process_set=global_process_set):
-    """Every rank gets root_rank's tensor."""
-    ps = resolve_process_set(process_set)
-    return ops.broadcast(tensor, root_rank, name=name, process_set=ps)
+    """Every rank gets root_rank's tensor (in a process set: a rank of the job in that set)."""
+    return ops.broadcast(tensor, options.broadcast(root_rank, process_set, name))
 
 
 @_no_autograph
 def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
     """Broadcast root_rank's values into ``variables`` in place; returns their new values."""
-    resolve_process_set(process_set)
     from fastxfer.tensorflow.functions import broadcast_variables
 
     variables = list(variables) if isinstance(variables, (list, tuple)) else [variables]
@@ -194,28 +166,34 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
 
 @_no_autograph
 def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_set=global_process_set):
-    """Horovod's alltoall (fastxfer.tensorflow.ops.alltoall); in a process set, ``splits`` has one
-    entry per rank of the set."""
-    ps = resolve_process_set(process_set)
-    return ops.alltoall(tensor, splits, name=name, ignore_name_scope=ignore_name_scope, process_set=ps)
+    """Horovod's alltoall: rank r sends the j-th block of rows of ``tensor`` (axis 0; sizes
+    ``splits``, a vector of one int per rank -- of the process set, in its order --, default an
+    equal split) to rank j, and receives the rows every rank sent it, concatenated in rank order.
+    Returns the received tensor, and, when ``splits`` is given, also the received splits (int32),
+    as Horovod does. Differentiable: the gradient is an alltoall back with the received splits."""
+    out, rsplits = ops.alltoall(tensor, splits, options.gather("alltoall", process_set, name))
+    return (out, rsplits) if splits is not None else out
 
 
 @_no_autograph
 def reducescatter(tensor, device_dense="", compression=Compression.none, op=Average, name=None,
                   ignore_name_scope=False, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
-    """Horovod's reducescatter (fastxfer.tensorflow.ops.reducescatter)."""
-    ps = resolve_process_set(process_set)
-    return ops.reducescatter(tensor, device_dense, compression, op, name, ignore_name_scope, prescale_factor,
-                             postscale_factor, process_set=ps)
+    """Horovod's reducescatter: reduce ``tensor`` (same shape on every rank) with ``op`` (Average or
+    Sum) and return this rank's rows of the result; the first dimension is split as evenly as
+    possible, the first (rows mod size) ranks getting one row more. ``compression`` (fp16/bf16)
+    casts floating tensors to 16 bits for the collective and back, as Horovod's compressors do.
+    Differentiable: the gradient is an allgather (times size for Sum), as Horovod defines it."""
+    opts = options.reducescatter(op, compression, prescale_factor, postscale_factor, process_set, name)
+    return ops.grouped_reducescatter([tensor], opts, [ops.op_name("reducescatter", name, opts.set_id)])[0]
 
 
 @_no_autograph
-def grouped_reducescatter(tensors, device_dense="", compression=Compression.none, op=Average, process_set=global_process_set,
-                          prescale_factor=1.0, postscale_factor=1.0):
-    """Horovod's grouped_reducescatter (fastxfer.tensorflow.ops.grouped_reducescatter)."""
-    ps = resolve_process_set(process_set)
-    return ops.grouped_reducescatter(tensors, device_dense, compression, op, prescale_factor, postscale_factor,
-                                     process_set=ps)
+def grouped_reducescatter(tensors, device_dense="", compression=Compression.none, op=Average,
+                          process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+    """reducescatter of every tensor in the list: all submitted (in list order) before any result is
+    waited for."""
+    return ops.grouped_reducescatter(tensors, options.reducescatter(op, compression, prescale_factor, postscale_factor,
+                                                                    process_set))
 
 
 def join(device="") -> tf.Tensor:

@@ -34,7 +34,7 @@ from fastxfer.comm import group, process_sets
 from fastxfer.comm.process_sets import ProcessSet, global_process_set
 from fastxfer.comm.set_registration import add_process_set, remove_process_set
 
-__all__ = ["ProcessSet", "add_process_set", "ccl_built", "resolve_process_set", "cross_rank", "cross_size",
+__all__ = ["ProcessSet", "add_process_set", "ccl_built", "cross_rank", "cross_size",
            "cuda_built", "ddl_built", "gloo_built", "gloo_enabled", "global_process_set", "is_homogeneous",
            "local_rank_op", "local_size_op", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built",
            "process_set_included_op", "rank_op", "remove_process_set", "rocm_built", "size_op", "start_timeline",
@@ -180,9 +180,3 @@ def _by_id(process_set_id):
     if isinstance(process_set_id, bool) or not isinstance(process_set_id, (int, np.integer)):
         raise TypeError(f"process_set_id must be an int, not {process_set_id!r}")
     return process_sets.by_id(int(process_set_id))
-
-
-def resolve_process_set(process_set):
-    """Horovod's ``process_set=`` argument: None (or the global set) for every rank, else the
-    registered set (ValueError when it is not registered, FastxferError when this rank is not in it)."""
-    return process_sets.resolve(process_set)

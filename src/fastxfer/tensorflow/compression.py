@@ -5,8 +5,8 @@ A compressor has Horovod's two methods (static methods on a class, or methods of
 
 fastxfer's built-in compressors are also the engine's wire-format names: ``Compression.bf16`` is an
 object with ``compress``/``decompress`` *and* the string ``"bf16"`` (a ``str`` subclass), so every
-place that took the names keeps working (``compression="bf16"``, the numpy API,
-``fastxfer.tensorflow.ops``). Handed to a collective, a built-in compressor is not called in
+place that takes the names takes the compressors too (``compression="bf16"``, the numpy API); the
+collectives' options (fastxfer.comm.options) tell built-ins from user compressors. Handed to a collective, a built-in compressor is not called in
 TensorFlow: the engine rounds float32 data to 16 bits on the wire and reduces in float32 (more
 accurate than Horovod's fp16 path, which reduces in fp16). Calling ``Compression.fp16.compress(t)``
 yourself does what Horovod's does (cast floating tensors to float16).
@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-__all__ = ["BF16Compressor", "Compression", "Compressor", "FP16Compressor", "NoneCompressor", "resolve"]
-
-WIRE_NAMES = ("none", "bf16", "fp16")
+__all__ = ["BF16Compressor", "Compression", "Compressor", "FP16Compressor", "NoneCompressor"]
 
 
 class Compressor:
@@ -89,21 +87,3 @@ class Compression:
 
 def _builtin(name: str):
     return getattr(Compression, name)
-
-
-def resolve(compression):
-    """(wire format for the engine, user compressor or None) for a ``compression=`` argument:
-    None, a wire-format name or built-in (``"none"``, ``"bf16"``, ``"fp16"``), or an object or class
-    with ``compress`` and ``decompress`` (run in TensorFlow around an uncompressed reduction).
-    ValueError for anything else."""
-    if compression is None:
-        return "none", None
-    if isinstance(compression, str):
-        if compression not in WIRE_NAMES:
-            raise ValueError(f"compression must be Compression.none, .bf16, .fp16 (or 'none', 'bf16', 'fp16') or a "
-                             f"compressor with compress() and decompress(), not {compression!r}")
-        return str(compression), None
-    if callable(getattr(compression, "compress", None)) and callable(getattr(compression, "decompress", None)):
-        return "none", compression
-    raise ValueError(f"compression must be Compression.none, .bf16, .fp16 or an object with compress(tensor) -> "
-                     f"(tensor, ctx) and decompress(tensor, ctx), not {compression!r}")

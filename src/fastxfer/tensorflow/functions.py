@@ -3,13 +3,16 @@ broadcast_object, broadcast_object_fn, allgather_object (Horovod's signatures)."
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import tensorflow as tf
 
 import fastxfer as fx
+from fastxfer.comm import options
+from fastxfer.comm.process_sets import resolve as resolve_process_set
 from fastxfer.tensorflow import ops
-from fastxfer.comm.collectives import root_index
-from fastxfer.tensorflow.basics import global_process_set, resolve_process_set
+from fastxfer.tensorflow.basics import global_process_set
 
 try:  # Horovod pickles with cloudpickle (lambdas, local classes); plain pickle when it is missing
     import cloudpickle as _pickle
@@ -25,12 +28,12 @@ __all__ = ["allgather_object", "broadcast_global_variables", "broadcast_object",
 def broadcast_variables(variables, root_rank=0, process_set=global_process_set, name=None):
     """Assign root_rank's values to ``variables`` on every rank (tf.Variable or Keras 3 Variable),
     eagerly or inside a tf.function."""
-    ps = resolve_process_set(process_set)
+    opts = options.broadcast(root_rank, process_set)
     prefix = name or "broadcast_variables"
     assigns = []
     for i, v in enumerate(variables):
         value = v.value if hasattr(v, "value") and not isinstance(v, tf.Variable) else v
-        new = ops.broadcast(tf.convert_to_tensor(value), root_rank, name=f"{prefix}.{i}", process_set=ps)
+        new = ops.broadcast(tf.convert_to_tensor(value), replace(opts, name=f"{prefix}.{i}"))
         assigns.append(v.assign(new))
     if not tf.executing_eagerly():  # graph mode: one op that runs every assignment, as Horovod returns
         return tf.group(*[a for a in assigns if a is not None])
@@ -58,9 +61,8 @@ def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=glob
     ``name`` names the two broadcasts it makes (it must be the same on every rank; by default they
     are numbered, the same on every rank that makes the same calls). ``session`` is TF1's and is
     ignored."""
-    ps = resolve_process_set(process_set)
+    ps = options.broadcast(root_rank, process_set).process_set  # ValueError naming a bad root
     me = fx.rank()
-    root_index(root_rank, None if ps is None else ps.ranks)  # ValueError naming a bad root
     if me == root_rank:
         words, n = _words(obj)
     n = int(fx.broadcast(np.array([n if me == root_rank else 0], np.int64), root=root_rank,

@@ -1,15 +1,17 @@
-"""DistributedGradientTape, PartialDistributedGradientTape and the gradient reduction behind them
-(``reduce_gradients``, which fastxfer.keras's DistributedOptimizer uses too)."""
+"""DistributedGradientTape, PartialDistributedGradientTape and the gradient reduction behind them:
+``GradientReduction`` (how a list of gradients is reduced: its collective options, checked once,
+plus what only gradients have) and ``reduce_gradients``, which fastxfer.keras's
+DistributedOptimizer uses too."""
 
 from __future__ import annotations
 
 import tensorflow as tf
 
-import fastxfer as fx
+from fastxfer.comm import options
+from fastxfer.comm.options import CollectiveOptions
 from fastxfer.tensorflow import ops, overlap
-from fastxfer.tensorflow.api import gather_slices, wire_for
-from fastxfer.tensorflow.basics import global_process_set, resolve_process_set
-from fastxfer.tensorflow.compression import Compression, resolve
+from fastxfer.tensorflow.basics import global_process_set
+from fastxfer.tensorflow.compression import Compression
 
 # fastxfer's Python builds graphs without data-dependent Python control flow: AutoGraph has nothing
 # to convert in it, and converting it call by call made tracing a model's step many times slower
@@ -70,6 +72,39 @@ def _is_layer(x) -> bool:
                for c in type(x).__mro__)
 
 
+class GradientReduction:
+    """How DistributedGradientTape and DistributedOptimizer reduce a list of gradients: ``opts``
+    (the allreduce's options, with a predivide factor as its pre- and postscale), whether sparse
+    gradients are made dense, the variables whose gradients stay local and whether those are
+    divided by the number of ranks, and the prefix of the gradients' names."""
+
+    __slots__ = ("opts", "sparse_as_dense", "local", "scale_local_gradients", "prefix")
+
+    def __init__(self, opts: CollectiveOptions, sparse_as_dense=False, local=None, scale_local_gradients=True,
+                 prefix="grad"):
+        self.opts = opts
+        self.sparse_as_dense = bool(sparse_as_dense)
+        self.local = LocalVariables() if local is None else local
+        self.scale_local_gradients = bool(scale_local_gradients)
+        self.prefix = prefix
+
+
+def gradient_options(op=ops.Average, compression=Compression.none, gradient_predivide_factor=1.0,
+                     bucket_cap_mb=None, process_set=None) -> CollectiveOptions:
+    """The allreduce options of a gradient reduction (``op`` None: Average). A predivide factor f
+    divides by f before the sum and by size/f after it: prescale 1/f, postscale f, and the
+    engine's 1/size of an average."""
+    if isinstance(gradient_predivide_factor, bool) or not isinstance(gradient_predivide_factor, (int, float)) \
+            or not gradient_predivide_factor > 0:
+        raise ValueError(f"gradient_predivide_factor must be a number > 0, not {gradient_predivide_factor!r}")
+    f = float(gradient_predivide_factor)
+    op = options.check_op(ops.Average if op is None else op)
+    if f != 1.0 and op != ops.Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    pre, post = (1.0 / f, f) if f != 1.0 else (1.0, 1.0)
+    return options.allreduce(op, compression, pre, post, bucket_cap_mb, process_set, compressors=True)
+
+
 class DistributedGradientTape:
     """Wraps a tf.GradientTape: ``gradient()`` averages the gradients across ranks (Horovod's
     arguments; ``device_dense``, ``device_sparse``, ``num_groups`` and ``groups`` are accepted and
@@ -87,23 +122,24 @@ class DistributedGradientTape:
     def __init__(self, gradtape: tf.GradientTape, device_dense="", device_sparse="", compression=Compression.none,
                  sparse_as_dense=False, op=ops.Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
                  process_set=global_process_set, scale_local_gradients=True):
-        resolve_process_set(process_set)  # registered, and this rank is in it
         if not isinstance(device_dense, str) or device_dense in ("none", "bf16", "fp16"):
             # fastxfer's tape took compression second before it took Horovod's argument order
             raise TypeError(f"DistributedGradientTape's second argument is device_dense (Horovod's order), not "
                             f"{device_dense!r}: pass compression=... by keyword")
-        resolve(compression)  # ValueError now rather than at gradient()
-        op = ops.check_op(op)
-        if gradient_predivide_factor != 1.0 and op != ops.Average:
-            raise ValueError("gradient_predivide_factor not supported with op != Average")
         self._tape = gradtape
-        self._compression = compression
-        self._op = op
-        self._predivide = float(gradient_predivide_factor)
-        self._sparse_as_dense = bool(sparse_as_dense)
-        self._local = LocalVariables()
-        self.scale_local_gradients = bool(scale_local_gradients)
+        self._reduction = GradientReduction(gradient_options(op, compression, gradient_predivide_factor, None,
+                                                             process_set),
+                                            sparse_as_dense, scale_local_gradients=scale_local_gradients,
+                                            prefix="DistributedGradientTape")
         self.process_set = process_set
+
+    @property
+    def scale_local_gradients(self) -> bool:
+        return self._reduction.scale_local_gradients
+
+    @scale_local_gradients.setter
+    def scale_local_gradients(self, value) -> None:
+        self._reduction.scale_local_gradients = bool(value)
 
     def __getattr__(self, item):
         return getattr(self._tape, item)
@@ -118,17 +154,18 @@ class DistributedGradientTape:
     def register_local_source(self, source):
         """The gradient of ``source`` stays on this rank: not reduced (scaled by 1/size when
         ``scale_local_gradients``)."""
-        self._local.add_variable(source)
+        self._reduction.local.add_variable(source)
+
+    def add_local_layer(self, layer):
+        """``layer``'s gradients stay on this rank (PartialDistributedGradientTape's local_layers)."""
+        self._reduction.local.add_layer(layer)
 
     @_no_autograph
     def gradient(self, target, sources, output_gradients=None, use_generic_names=False, **kw):
         grads = self._tape.gradient(target, sources, output_gradients=output_gradients, **kw)
         flat_sources = tf.nest.flatten(sources)
         flat = tf.nest.flatten(grads, expand_composites=False)
-        reduced = reduce_gradients(flat, flat_sources, op=self._op, compression=self._compression,
-                                   gradient_predivide_factor=self._predivide, prefix="DistributedGradientTape",
-                                   sparse_as_dense=self._sparse_as_dense, local_variables=self._local,
-                                   scale_local_gradients=self.scale_local_gradients, process_set=self.process_set)
+        reduced = reduce_gradients(flat, flat_sources, self._reduction)
         return tf.nest.pack_sequence_as(grads, reduced)
 
 
@@ -143,14 +180,12 @@ def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="", 
     tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,
                                    gradient_predivide_factor, num_groups, groups, process_set, scale_local_gradients)
     for layer in layers:
-        tape._local.add_layer(layer)
+        tape.add_local_layer(layer)
     return tape
 
 
 @_no_autograph
-def reduce_gradients(grads, variables, op=ops.Average, compression=Compression.none, gradient_predivide_factor=1.0,
-                     bucket_cap_mb=None, prefix="grad", sparse_as_dense=False, local_variables=None,
-                     scale_local_gradients=True, process_set=None):
+def reduce_gradients(grads, variables, reduction: GradientReduction) -> list:
     """Allreduce a list of gradients (one per variable) the way DistributedGradientTape and
     DistributedOptimizer do: submitted last variable first (the order a backward pass produces
     them), fused by the engine. A None gradient stays None and is not communicated (Keras then
@@ -158,35 +193,28 @@ def reduce_gradients(grads, variables, op=ops.Average, compression=Compression.n
     variables -- they do when every rank runs the same model code -- otherwise the ranks submit
     different requests and all of them raise MismatchError naming the gradient.
 
-    tf.IndexedSlices: made dense with ``sparse_as_dense``, otherwise allgathered (values and
-    indices; Average divides the values by the number of ranks). ``local_variables`` (a
-    LocalVariables): their gradients are not reduced, and are divided by the number of ranks when
-    ``scale_local_gradients`` (Horovod's default). ``compression``: a wire format (built-in) for
-    float32 gradients, or a user compressor run around an uncompressed reduction. In a traced
-    function each dense submit is pinned into the backward pass when ``overlap.pin_enabled()``."""
+    tf.IndexedSlices: made dense with ``reduction.sparse_as_dense``, otherwise allgathered (values
+    and indices; Average divides the values by the number of ranks). Gradients of
+    ``reduction.local`` variables are not reduced, and are divided by the number of ranks when
+    ``reduction.scale_local_gradients`` (Horovod's default). In a traced function each dense
+    submit is pinned into the backward pass when ``overlap.pin_enabled()``."""
     grads = list(grads)
     if len(grads) != len(variables):
         raise ValueError(f"{len(grads)} gradients for {len(variables)} variables")
-    op = ops.check_op(op)
-    f = float(gradient_predivide_factor)
-    if f <= 0:
-        raise ValueError(f"gradient_predivide_factor must be > 0, not {gradient_predivide_factor}")
-    wire, user = resolve(compression)
-    pre, post = (1.0 / f, f) if op == ops.Average else (1.0, 1.0)
-    local = local_variables.keys() if local_variables else set()
-    ps = resolve_process_set(process_set)
-    size = fx.size() if ps is None else ps.size()
+    opts, prefix = reduction.opts, reduction.prefix
+    local = reduction.local.keys() if reduction.local else set()
+    size = opts.size
     out = list(grads)
     dense, names, where, sparse = [], [], [], []
     for i, (g, v) in enumerate(zip(grads, variables)):
         if g is None:
             continue
         if local and variable_keys(v) & local:
-            if scale_local_gradients and size > 1:
+            if reduction.scale_local_gradients and size > 1:
                 out[i] = _divided(g, size)
             continue
         if isinstance(g, tf.IndexedSlices):
-            if not sparse_as_dense:
+            if not reduction.sparse_as_dense:
                 sparse.append(i)
                 continue
             g = tf.convert_to_tensor(g)
@@ -194,33 +222,14 @@ def reduce_gradients(grads, variables, op=ops.Average, compression=Compression.n
         names.append(f"{prefix}.{i}.{_short_name(v)}")
         where.append(i)
     if dense:
-        ctxs = None
-        if user is not None:
-            pairs = [user.compress(d) for d in dense]
-            dense, ctxs = [p[0] for p in pairs], [p[1] for p in pairs]
-            comps = ["none"] * len(dense)
-        else:
-            # the engine compresses float32 gradients; others (float16/bfloat16 variables) travel as they are
-            comps = [wire_for(d, wire) for d in dense]
-        order = list(reversed(range(len(dense))))
-        for c in dict.fromkeys(comps):  # one group per wire format, each in backward order
-            idx = [j for j in order if comps[j] == c]
-            red = _allreduce_group([dense[j] for j in idx], [names[j] for j in idx], op, c, pre, post, bucket_cap_mb,
-                                   ps)
-            for j, r in zip(idx, red):
-                out[where[j]] = user.decompress(r, ctxs[j]) if user is not None else r
+        for j, r in zip(where, _allreduce_backward(dense, names, opts)):
+            out[j] = r
     for i in reversed(sparse):  # after the dense submits, last variable first, as they
         name = f"{prefix}.{i}.{_short_name(variables[i])}"
         # Horovod's allgather of values and indices; the predivide factor only splits the
         # averaging of dense sums, the allgathered values are divided by size either way
-        out[i] = gather_slices(grads[i], op if op in (ops.Average, ops.Sum) else _sparse_op_error(op),
-                               f"{name}.values", f"{name}.indices", ps)
+        out[i] = ops.gather_slices(grads[i], opts.op, opts, f"{name}.values", f"{name}.indices")
     return out
-
-
-def _sparse_op_error(op):
-    raise NotImplementedError(f"op={op!r}: only Sum and Average ops are supported with tf.IndexedSlices "
-                              "(pass sparse_as_dense=True)")
 
 
 def _divided(g, n: int):
@@ -230,16 +239,16 @@ def _divided(g, n: int):
     return g / tf.cast(n, g.dtype)
 
 
-def _allreduce_group(grads, names, op, compression, pre, post, bucket_cap_mb, ps=None):
-    """grouped_allreduce in list order; traced, with the submits pinned into the backward pass."""
-    if tf.executing_eagerly():
-        return ops.grouped_allreduce(grads, op=op, compression=compression, prescale_factor=pre, postscale_factor=post,
-                                     names=names, bucket_cap_mb=bucket_cap_mb, process_set=ps)
-    submits = ops.submit_grouped(grads, names, op, compression, pre, post, bucket_cap_mb=bucket_cap_mb,
-                                 process_set=ps)
+def _allreduce_backward(grads, names, opts: CollectiveOptions) -> list:
+    """The gradients' grouped allreduce, submitted last gradient first; traced, with the submits
+    pinned into the backward pass. A user compressor runs around the reduction."""
+    order = list(reversed(range(len(grads))))
+    if tf.executing_eagerly() or opts.compressor is not None:
+        return ops.grouped_allreduce(grads, opts, names, order)
+    pending = ops.submit_grouped(grads, opts, names, order)
     if overlap.pin_enabled():
-        overlap.pin_to_backward(tf.compat.v1.get_default_graph(), grads, submits)
-    return ops.wait_grouped(submits, grads)
+        overlap.pin_to_backward(tf.compat.v1.get_default_graph(), grads, [p.handle for p in pending])
+    return ops.wait_grouped(pending)
 
 
 def _short_name(v) -> str:

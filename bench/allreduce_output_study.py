@@ -1,8 +1,9 @@
-"""Issue 13 measurements behind bench/RESULTS.md ("fresh outputs, 16-bit arrays, DeepSpeed peer").
+"""Where a fresh allreduce result comes from, and float32 against 16-bit arrays: the measurements behind
+bench/RESULTS.md ("fresh outputs, 16-bit arrays, DeepSpeed peer").
 Run on N ranks through the launcher:
 
-    fastxfer run -np 2 -- python bench/issue13_study.py alloc [BYTES]   # where a result array comes from
-    fastxfer run -np 2 -- python bench/issue13_study.py dtypes          # float32 vs bf16/fp16 arrays
+    fastxfer run -np 2 -- python bench/allreduce_output_study.py alloc [BYTES]   # where a result array comes from
+    fastxfer run -np 2 -- python bench/allreduce_output_study.py dtypes          # float32 vs bf16/fp16 arrays
 
 alloc: a float32 allreduce (default 64 MiB) into a reused ``out=`` and into a fresh array per call
 from each candidate source (np.empty_like, mmap with 4 KiB pages, MAP_POPULATE, MADV_HUGEPAGE,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import tensorflow as tf
 import tf_keras
 
-from fastxfer.keras._distributed import (ACCUMULATORS, PASSES, accumulate_and_apply, distributed_class, is_distributed,
+from fastxfer.tensorflow.distributed_optimizer import (ACCUMULATORS, PASSES, accumulate_and_apply, distributed_class, is_distributed,
                                          new_settings, reduce_gradients)
 
 

@@ -1,4 +1,4 @@
-"""What the Keras 3 (_optimizer.py) and tf-keras (_legacy.py) DistributedOptimizers share: their
+"""What the Keras 3 (keras_optimizer.py) and tf-keras (tf_keras_optimizer.py) DistributedOptimizers share: their
 settings and the checks on them, the gradient reduction, backward_passes_per_step accumulation,
 and the run-time subclasses that carry them."""
 
@@ -7,12 +7,10 @@ from __future__ import annotations
 import tensorflow as tf
 
 import fastxfer as fx
-import fastxfer.tensorflow as ftf
-from fastxfer import _validate
-from fastxfer.tensorflow.basics import resolve_process_set
-from fastxfer.tensorflow.compression import resolve
-from fastxfer.tensorflow.ops import chained
-from fastxfer.tensorflow.tape import LocalVariables
+from fastxfer.tensorflow.compression import Compression
+from fastxfer.tensorflow.ops import Average, Sum
+from fastxfer.tensorflow.backend import chained
+from fastxfer.tensorflow.tape import GradientReduction, gradient_options, reduce_gradients as reduce_tensors
 
 WRAPPED = "_fastxfer_distributed"  # class attribute that marks a distributed optimizer class
 ACCUMULATORS = "_fastxfer_acc"  # instance __dict__ key: backward_passes_per_step's local accumulators
@@ -20,48 +18,37 @@ PASSES = "_fastxfer_passes"  # instance __dict__ key: the pass counter (identica
 
 
 class Settings:
-    """A DistributedOptimizer's arguments (see fastxfer.keras.DistributedOptimizer)."""
+    """A DistributedOptimizer's arguments, checked (``new_settings``): how its gradients are
+    reduced (``reduction``: the allreduce's options and the local variables) and how many
+    backward passes are accumulated before each reduction."""
 
-    def __init__(self, compression=ftf.Compression.none, backward_passes_per_step=1,
-                 average_aggregated_gradients=False, gradient_predivide_factor=1.0, bucket_cap_mb=None,
-                 op=ftf.Average, sparse_as_dense=False, scale_local_gradients=True):
-        self.compression = compression
+    def __init__(self, reduction: GradientReduction, backward_passes_per_step=1, average_aggregated_gradients=False):
+        self.reduction = reduction
         self.k = backward_passes_per_step
         self.average_aggregated = bool(average_aggregated_gradients)
-        self.predivide = float(gradient_predivide_factor)
-        self.bucket_cap_mb = bucket_cap_mb
-        self.op = op
-        self.sparse_as_dense = bool(sparse_as_dense)
-        self.scale_local_gradients = bool(scale_local_gradients)
-        self.local = LocalVariables()  # register_local_var, PartialDistributedOptimizer's local_layers
+
+    @property
+    def local(self):
+        """register_local_var's variables and PartialDistributedOptimizer's local layers."""
+        return self.reduction.local
 
 
-def new_settings(compression=ftf.Compression.none, backward_passes_per_step=1, average_aggregated_gradients=False,
-                 gradient_predivide_factor=1.0, bucket_cap_mb=None, op=ftf.Average, sparse_as_dense=False,
+def new_settings(compression=Compression.none, backward_passes_per_step=1, average_aggregated_gradients=False,
+                 gradient_predivide_factor=1.0, bucket_cap_mb=None, op=Average, sparse_as_dense=False,
                  scale_local_gradients=True, process_set=None) -> Settings:
     """Checked settings for a new DistributedOptimizer: FastxferError before init(), ValueError
     naming a wrong argument."""
     if not fx.is_initialized():
         raise fx.FastxferError("call fastxfer.keras.init() before DistributedOptimizer()")
-    process_set = resolve_process_set(process_set)  # None: every rank
-    resolve(compression)  # a built-in (wire format) or a user compressor with compress()/decompress()
     if not isinstance(backward_passes_per_step, int) or isinstance(backward_passes_per_step, bool) \
             or backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be an int >= 1, not {backward_passes_per_step!r}")
-    if not (isinstance(gradient_predivide_factor, (int, float)) and gradient_predivide_factor > 0):
-        raise ValueError(f"gradient_predivide_factor must be a number > 0, not {gradient_predivide_factor!r}")
-    _validate.bucket_cap_bytes(bucket_cap_mb)
-    if op is None:
-        op = ftf.Average
-    op = _validate.op(op)
-    if op not in (ftf.Average, ftf.Sum):
+    opts = gradient_options(op, compression, gradient_predivide_factor, bucket_cap_mb, process_set)
+    if opts.op not in (Average, Sum):
         raise ValueError(f"op must be Average or Sum for gradients, not {op!r}")
-    if gradient_predivide_factor != 1.0 and op != ftf.Average:
-        raise ValueError("gradient_predivide_factor applies to op=Average only")
-    s = Settings(compression, backward_passes_per_step, average_aggregated_gradients, gradient_predivide_factor,
-                 bucket_cap_mb, op, sparse_as_dense, scale_local_gradients)
-    s.process_set = process_set
-    return s
+    reduction = GradientReduction(opts, sparse_as_dense, scale_local_gradients=scale_local_gradients,
+                                  prefix="DistributedOptimizer")
+    return Settings(reduction, backward_passes_per_step, average_aggregated_gradients)
 
 
 class LocalVarsMixin:
@@ -106,14 +93,9 @@ def accumulators(optimizer) -> list:
 
 def reduce_gradients(settings: Settings, grads, variables) -> list:
     """The gradients reduced across ranks as `settings` say."""
-    ps = getattr(settings, "process_set", None)
-    if (fx.size() if ps is None else ps.size()) == 1:
+    if settings.reduction.opts.size == 1:
         return list(grads)  # one rank: nothing to reduce (Average and Sum, with any predivide factor, are the identity)
-    return ftf.reduce_gradients(grads, variables, op=settings.op, compression=settings.compression,
-                                gradient_predivide_factor=settings.predivide, bucket_cap_mb=settings.bucket_cap_mb,
-                                prefix="DistributedOptimizer", sparse_as_dense=settings.sparse_as_dense,
-                                local_variables=settings.local,
-                                scale_local_gradients=settings.scale_local_gradients, process_set=ps)
+    return reduce_tensors(grads, variables, settings.reduction)
 
 
 def accumulate_and_apply(settings: Settings, passes, accs, grads, variables, apply) -> None:

@@ -6,8 +6,9 @@ The wrapper is a subclass of the wrapped optimizer's own class, made at run time
 (``fastxfer.keras.load_model`` wraps it again, as Horovod's does). Its ``apply`` reduces the
 gradients across ranks first and then runs the wrapped class's ``apply`` unchanged, so clipping,
 weight decay, EMA and schedules all act on the averaged gradient, identically on every rank.
-``DistributedOptimizer`` (tf-keras optimizers go to _legacy.py) and ``load_model`` live here too;
-what the two kinds of wrapper share is in _distributed.py.
+``DistributedOptimizer`` (tf-keras optimizers go to tf_keras_optimizer.py) and ``load_model`` live here too;
+what the two kinds of wrapper share is in distributed_optimizer.py. fastxfer.keras and
+fastxfer.tensorflow.DistributedOptimizer both come here: the Keras package builds on this one.
 
 Inside ``model.fit`` the reduction is traced into the training function: each gradient is handed
 to fastxfer's engine by its own op as soon as TensorFlow has computed it (see
@@ -26,13 +27,13 @@ import tensorflow as tf
 
 import fastxfer as fx
 from fastxfer.comm import group
-from fastxfer.keras._distributed import (ACCUMULATORS, PASSES, Settings, accumulate_and_apply, distributed_class,
+from fastxfer.tensorflow.distributed_optimizer import (ACCUMULATORS, PASSES, Settings, accumulate_and_apply, distributed_class,
                                          is_distributed, new_settings, reduce_gradients)
-from fastxfer.keras._layers import SyncBatchNormalization
+from fastxfer.tensorflow.sync_batch_norm import SyncBatchNormalization
 from fastxfer.tensorflow.basics import global_process_set
 from fastxfer.tensorflow.compression import Compression
 from fastxfer.tensorflow.ops import Average
-from fastxfer.tensorflow.tape import check_local_layers
+from fastxfer.tensorflow.tape import GradientReduction, check_local_layers, gradient_options
 
 
 def _dtype(v):
@@ -301,11 +302,11 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     if isinstance(optimizer, (keras.optimizers.Optimizer, keras.optimizers.LossScaleOptimizer)):
         return distributed_keras3(optimizer, settings)
     try:
-        from fastxfer.keras import _legacy  # needs tf-keras, an optional dependency
+        from fastxfer.tensorflow import tf_keras_optimizer  # needs tf-keras, an optional dependency
     except ImportError:
-        _legacy = None
-    if _legacy is not None and _legacy.is_legacy_optimizer(optimizer):
-        return _legacy.distributed_legacy(optimizer, settings)
+        tf_keras_optimizer = None
+    if tf_keras_optimizer is not None and tf_keras_optimizer.is_legacy_optimizer(optimizer):
+        return tf_keras_optimizer.distributed_legacy(optimizer, settings)
     raise TypeError(f"DistributedOptimizer wraps a Keras optimizer (keras.optimizers.* or tf_keras.optimizers.*), "
                     f"not {type(optimizer).__name__}")
 
@@ -342,5 +343,14 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
     model = keras.models.load_model(filepath, custom_objects=objects, **kwargs)
     opt = getattr(model, "optimizer", None)
     if opt is not None and not is_distributed(opt):
-        _wrap_in_place(opt, Settings(compression))  # keeps the restored optimizer state
+        _wrap_in_place(opt, Settings(GradientReduction(gradient_options(compression=compression),
+                                                       prefix="DistributedOptimizer")))  # keeps its state
     return model
+
+
+# model.fit of a model with a DistributedOptimizer must trace its training step without XLA, and
+# Horovod scripts pass model.compile(..., experimental_run_tf_function=False), which Keras 3 lacks:
+# both hooks are installed when this module is first imported (by fastxfer.keras, or by the first
+# fastxfer.tensorflow.DistributedOptimizer of a Keras optimizer)
+install_trainer_hook()
+install_compile_shim()

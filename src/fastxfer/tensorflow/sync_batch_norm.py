@@ -6,7 +6,7 @@ import keras
 import tensorflow as tf
 
 import fastxfer as _fx
-from fastxfer.tensorflow import ops as _ops  # the ops module, not the package: no import cycle
+from fastxfer.tensorflow import api
 
 
 def _allreduce_sum_differentiable(x: tf.Tensor) -> tf.Tensor:
@@ -15,10 +15,10 @@ def _allreduce_sum_differentiable(x: tf.Tensor) -> tf.Tensor:
 
     @tf.custom_gradient
     def f(t):
-        y = _ops.allreduce(t, op=_ops.Sum)
+        y = api.allreduce(t, op=api.Sum)
 
         def grad(dy):
-            return _ops.allreduce(dy, op=_ops.Sum)
+            return api.allreduce(dy, op=api.Sum)
 
         return y, grad
 
