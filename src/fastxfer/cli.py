@@ -39,13 +39,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"fastxfer {fastxfer.__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    from fastxfer import run, run_elastic
+    from fastxfer.launch import main as launch
 
     runp = sub.add_parser("run", help="start N workers with rank-prefixed output; one failing stops the rest",
-                          description=run.__doc__ + "\n" + run_elastic.__doc__,
-                          formatter_class=argparse.RawDescriptionHelpFormatter)
-    run.add_arguments(runp)
-    runp.set_defaults(func=run_elastic.main)
+                          description=launch.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    launch.add_arguments(runp)
+    runp.set_defaults(func=launch.main)
 
     from fastxfer import topology
 

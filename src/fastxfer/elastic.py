@@ -1,7 +1,7 @@
 """Elastic training, framework-free (Horovod's ``horovod.common.elastic``): the state a job keeps
 across a lost or added worker, and the ``run`` wrapper that restores it and re-forms the group.
 
-Under ``fastxfer run -np N --min-np M`` (run_elastic.py)::
+Under ``fastxfer run -np N --min-np M`` (launch/elastic.py)::
 
     state = fastxfer.elastic.ObjectState(epoch=0, batch=0)
 

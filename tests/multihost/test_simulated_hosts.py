@@ -1,7 +1,7 @@
 """The multi-host path across a real (virtual) network: simulated hosts in their own network, UTS
-and mount namespaces (fastxfer.simhosts), each with its own host name and /dev/shm, joined by veth
-pairs or a bridge; jobs start with `fastxfer run --hosts ... --launch-agent ... --net ...` on the
-first host, and Open MPI carries the inter-host stage over TCP. Skipped where namespaces cannot be
+and mount namespaces (fastxfer.bench.simhosts), each with its own host name and /dev/shm, joined by
+veth pairs or a bridge; jobs start with `fastxfer run --hosts ... --launch-agent ... --net ...` on
+the first host, and Open MPI carries the inter-host stage over TCP. Skipped where namespaces cannot be
 made (not root) or MPI is missing."""
 
 import importlib.util
@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from _launch import WORKERS, assert_ok, run_command
-from fastxfer.simhosts import SimHosts
+from fastxfer.bench.simhosts import SimHosts
 
 why = SimHosts.available()
 pytestmark = [
@@ -183,7 +183,7 @@ def test_a_link_that_goes_down_fails_every_rank_naming_the_other_host(tmp_path):
 def test_a_link_that_only_slows_down_is_not_a_lost_host(tmp_path):
     """A 20 Mbit/s token bucket on every link (an allreduce of 1 MiB then takes ~0.5 s and the
     heartbeats queue behind it) with a 2 s heartbeat deadline: 20 s of training end cleanly."""
-    from fastxfer.simhosts import tc_path
+    from fastxfer.bench.simhosts import tc_path
 
     if tc_path() is None:
         pytest.skip("tc (iproute2) is not installed: no rate limit to test")
@@ -206,7 +206,7 @@ def test_bench_allreduce_across_hosts_with_a_rate_limited_link(tmp_path):
     import json
 
     from _launch import fastxfer_cmd
-    from fastxfer.simhosts import tc_path
+    from fastxfer.bench.simhosts import tc_path
 
     if tc_path() is None:
         pytest.skip("tc (iproute2) is not installed: no rate limit to test")

@@ -26,7 +26,7 @@ def test_usage_errors(tmp_path):
 
 
 def test_mpi_environment_for_hosts(capsys):
-    from fastxfer.run import mpi_environment
+    from fastxfer.launch.mpirun import mpi_environment
 
     base = {"PATH": "/bin"}
     env = mpi_environment(4, [("h1", 2), ("h2", 2)], "/x/agent", "10.77.0.0/24", base=base, cores=2)
@@ -48,7 +48,7 @@ def test_mpirun_command_forwards_fastxfer_settings_to_every_host():
 
     import pytest
 
-    from fastxfer.run import mpirun_command
+    from fastxfer.launch.mpirun import mpirun_command
 
     if shutil.which("mpirun") is None and shutil.which("mpiexec") is None:
         pytest.skip("no mpirun")
@@ -63,13 +63,13 @@ def test_mpirun_command_forwards_fastxfer_settings_to_every_host():
 def test_a_rank_reporting_a_lost_host_is_noticed_by_the_launcher():
     import io
 
-    from fastxfer.run import _HostWatch
+    from fastxfer.launch.mpirun import HostWatch
 
     out = io.StringIO()
     text = ("step 1\n"
             "fastxfer: rank 2: lost host h3, h4 (rank 6, 10): no heartbeat from it for 5.0 s across the network\n"
             "fastxfer: rank 0: lost host h3 (rank 4): no heartbeat from it for 5.1 s across the network\n")
-    watch = _HostWatch([(io.StringIO(text), out)])
+    watch = HostWatch([(io.StringIO(text), out)])
     watch.join(5)
     assert out.getvalue() == text
     assert watch.heartbeat_lost == ["h3", "h4"] and watch.heartbeat_rank == 2 and watch.heartbeat_at is not None

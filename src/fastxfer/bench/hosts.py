@@ -1,5 +1,5 @@
 """``fastxfer bench allreduce --hosts 2x2[,3x1,...]``: the allreduce across simulated hosts
-(fastxfer.simhosts: own network, host name and /dev/shm each, joined by veth links over TCP),
+(fastxfer.bench.simhosts: own network, host name and /dev/shm each, joined by veth links over TCP),
 fastxfer side by side with mpi4py ``Allreduce`` (Open MPI with its shared-memory and TCP
 transports) on the same hosts, launched the same way (``fastxfer run --hosts``, which also picks
 Open MPI's yielding mode when the ranks outnumber the cores: both get it).
@@ -149,7 +149,7 @@ def run(configs: list[tuple[int, int]], rates: list[str], sizes: list[int], scal
     """`repeat`: every launch that many times, alternating the peers (the machine is shared and
     noisy); rows carry the median of the repeats' p50s."""
     from fastxfer.comm.group import net_chunk_bytes
-    from fastxfer.simhosts import SimHosts
+    from fastxfer.bench.simhosts import SimHosts
 
     res = {"machine": machine_info(), "configs": configs, "rates": rates, "rows": [], "skipped": {},
            "repeat": repeat}

@@ -74,7 +74,7 @@ def collective_of(label: str) -> str:
 
 def host_tx_bytes() -> int:
     """Bytes this process's network namespace has sent on every interface but loopback: on a
-    simulated host (fastxfer.simhosts), what the host put on its link."""
+    simulated host (fastxfer.bench.simhosts), what the host put on its link."""
     total = 0
     with open("/proc/self/net/dev") as f:
         for line in f.readlines()[2:]:

@@ -1,6 +1,7 @@
-"""``python .../fastxfer/bindexec.py --cpus LIST [--mems LIST] -- CMD...``: bind this process's CPUs
-(sched_setaffinity) and memory (set_mempolicy MPOL_BIND), then exec CMD, which inherits both.
-`fastxfer run --bind` starts each worker through it (no numactl binary needed)."""
+"""``python .../fastxfer/launch/bind.py --cpus LIST [--mems LIST] -- CMD...``: bind this process's
+CPUs (sched_setaffinity) and memory (set_mempolicy MPOL_BIND), then exec CMD, which inherits both.
+`fastxfer run --bind` starts each worker through it (no numactl binary needed); it also runs as
+``python -m fastxfer.launch.bind``."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from fastxfer.topology import parse_cpu_list
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fastxfer.bindexec")
+    ap = argparse.ArgumentParser(prog="python -m fastxfer.launch.bind")
     ap.add_argument("--cpus", required=True)
     ap.add_argument("--mems", default="")
     ap.add_argument("command", nargs=argparse.REMAINDER)

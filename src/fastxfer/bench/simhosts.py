@@ -11,7 +11,7 @@ host's namespaces with nsenter.
 
 From a shell::
 
-    sudo python -m fastxfer.simhosts --hosts 2 --slots 2 -- python train.py
+    sudo python -m fastxfer.bench.simhosts --hosts 2 --slots 2 -- python train.py
     # = fastxfer run -np 4 --hosts h1:2,h2:2 ... -- python train.py, on two simulated hosts
 
 ``SimHosts`` is the same from Python (the tests use it); ``SimHosts.available()`` says why not,
@@ -277,7 +277,7 @@ exec nsenter -t "$pid" -n -u -m -- sh -c "$*"
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fastxfer.simhosts", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m fastxfer.bench.simhosts", description=__doc__.split("\n\n")[0])
     ap.add_argument("--hosts", type=int, default=2, help="number of simulated hosts (default 2)")
     ap.add_argument("--slots", type=int, default=2, help="ranks per host (default 2)")
     ap.add_argument("--shm-mb", type=int, default=256, help="each host's /dev/shm size (default 256)")
@@ -285,17 +285,17 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not cmd:
-        ap.error("no command (python -m fastxfer.simhosts --hosts 2 -- python train.py)")
+        ap.error("no command (python -m fastxfer.bench.simhosts --hosts 2 -- python train.py)")
     why = SimHosts.available()
     if why:
-        print(f"fastxfer.simhosts: {why}", file=sys.stderr)
+        print(f"fastxfer.bench.simhosts: {why}", file=sys.stderr)
         return 2
     with SimHosts(args.hosts, args.shm_mb) as sim:
-        print(f"fastxfer.simhosts: {', '.join(f'{n} ({sim.address(i)})' for i, n in enumerate(sim.names))} up; "
+        print(f"fastxfer.bench.simhosts: {', '.join(f'{n} ({sim.address(i)})' for i, n in enumerate(sim.names))} up; "
               f"running {shlex.join(cmd)}", file=sys.stderr, flush=True)
         t = time.monotonic()
         code = subprocess.call(sim.fastxfer_run(args.slots, cmd))
-        print(f"fastxfer.simhosts: exit code {code} after {time.monotonic() - t:.1f} s; hosts torn down",
+        print(f"fastxfer.bench.simhosts: exit code {code} after {time.monotonic() - t:.1f} s; hosts torn down",
               file=sys.stderr)
     return code
 

@@ -30,16 +30,15 @@ import time
 
 from fastxfer.comm import segments
 from fastxfer.comm.rendezvous import SOCKET_ENV, WORKER_ENV, Rendezvous
-from fastxfer import run
-from fastxfer.run import STOP_SIGNALS, Job, Stopper, describe_exit, die_with_parent, say
-
-
-def main(args) -> int:
-    """`fastxfer run`, elastic options included (run.py does the rest)."""
-    return run.main(args, elastic_job=ElasticJob)
+from fastxfer.launch import output
+from fastxfer.launch.job import STOP_SIGNALS, Job, Stopper, die_with_parent
+from fastxfer.launch.output import describe_exit, say
 
 
 class ElasticJob(Job):
+    """Workers of an elastic job: their ranks come from the rendezvous, generation by generation;
+    worker w's output is prefixed with [w]."""
+
     def __init__(self, np_: int, command: list[str], grace: float, min_np: int, max_np: int, max_restarts: int,
                  placement: list[dict] | None = None, timeout: float | None = None):
         super().__init__(np_, command, grace, placement=placement)
@@ -55,8 +54,8 @@ class ElasticJob(Job):
         self.dismissed: set[int] = set()     # newcomers stopped because the job finished first
         self.resumed: list[float] = []       # seconds from a failure to the next generation
 
-    def _env(self, slot: int, worker: int | None = None) -> dict[str, str]:
-        env = self._base_env(slot)
+    def worker_env(self, slot: int, worker: int) -> dict[str, str]:
+        env = self.base_env(slot)
         env.update({
             SOCKET_ENV: self.rdzv.path,
             WORKER_ENV: str(worker),
@@ -178,7 +177,7 @@ class ElasticJob(Job):
                 t.join(timeout=5)
         finally:
             self.rdzv.close("the job has ended")
-            self._restore_signals()
+            self.restore_signals()
             segments.remove_segments_of(os.getpid())
             shutil.rmtree(self.report_dir, ignore_errors=True)
         return self._verdict(failed_job)
@@ -194,9 +193,7 @@ class ElasticJob(Job):
     def _verdict(self, failed_job: str | None) -> int:
         recovered = "; ".join(self.failures)
         if self.interrupted is not None:
-            states = ", ".join(f"worker {i}: {describe_exit(p.returncode)}" for i, p in enumerate(self.procs))
-            say(f"fastxfer run: job stopped: the launcher {STOP_SIGNALS[self.interrupted]}; all workers stopped "
-                f"({states})")
+            output.say_stopped(STOP_SIGNALS[self.interrupted], "worker", self.procs)
             return 128 + self.interrupted
         last = self.rdzv.history[-1] if self.rdzv.history else None
         if failed_job is None and last is not None:
@@ -222,4 +219,11 @@ class ElasticJob(Job):
         first = min(((self.exit_times[i], p.returncode) for i, p in enumerate(self.procs)
                      if p.returncode not in (None, 0) and i in self.exit_times), default=(0, 1))[1]
         say(f"fastxfer run: elastic job failed: {why}; failures: {recovered or 'none recorded'}")
-        return 128 - first if first < 0 else (first or 1)
+        return output.exit_code(first) or 1
+
+
+def run(np_: int, command: list[str], grace: float, min_np: int, max_np: int, max_restarts: int,
+        placement: list[dict] | None = None) -> int:
+    """Runs `command` as an elastic job of N workers (min_np..max_np, max_restarts restarts in all);
+    returns the job's exit code."""
+    return ElasticJob(np_, command, grace, min_np, max_np, max_restarts, placement=placement).run()
