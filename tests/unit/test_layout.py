@@ -366,3 +366,49 @@ def test_cpp_checker_on_a_toy_tree(tmp_path):
 def test_cpp_layer_rule_pairs(tmp_path, here, there, ok):
     _write(tmp_path, {f"{here}/a.cc": f'#include "{there}/b.h"\n', f"{there}/b.h": ""})
     assert (layer_violations(tmp_path) == []) is ok
+
+
+# ---- docs/architecture.md: the module table is complete ----------------------------------------
+
+
+def module_table_rows(text):
+    """{first cell: rest of the row} of the table under "| package / module | what |"."""
+    lines = text.split("| package / module | what |", 1)[1].splitlines()[2:]
+    rows = {}
+    for line in lines:
+        if not line.startswith("|"):
+            break
+        first, rest = line.strip("|").split("|", 1)
+        rows[first.strip()] = rest
+    return rows
+
+
+def modules_missing_from_table(src, package, text):
+    """Every .py file of `package` that the table does not name: a top-level module needs a row
+    of its own (`name.py`), a module of a subpackage its name (`name.py`) in its folder's row."""
+    rows = module_table_rows(text)
+    missing = []
+    for path in sorted((src / package).rglob("*.py")):
+        rel = path.relative_to(src / package)
+        name = f"`{rel.name}`"
+        if len(rel.parts) == 1:
+            if not any(name in first for first in rows):
+                missing.append(str(rel))
+        elif name not in rows.get(f"`{rel.parent.as_posix()}/`", ""):
+            missing.append(str(rel))
+    return missing
+
+
+def test_architecture_doc_names_every_module():
+    text = (Path(ROOT) / "docs" / "architecture.md").read_text()
+    assert len(module_table_rows(text)) > 10
+    assert modules_missing_from_table(SRC, "fastxfer", text) == []
+
+
+def test_module_table_check_finds_a_missing_module(tmp_path):
+    _write(tmp_path, {"pkg/__init__.py": "", "pkg/a.py": "", "pkg/sub/__init__.py": "", "pkg/sub/b.py": "",
+                      "pkg/sub/c.py": ""})
+    text = ("| package / module | what |\n|---|---|\n| `__init__.py`, `a.py` | x |\n"
+            "| `sub/` | `__init__.py`, `b.py` (the b) |\n\nafter")
+    assert modules_missing_from_table(tmp_path, "pkg", text) == ["sub/c.py"]
+

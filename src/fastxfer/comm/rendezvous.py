@@ -1,7 +1,7 @@
 """Elastic rendezvous: how the workers of `fastxfer run --min-np M` agree on each generation of
 the group (who is in it, in which rank order) with the launcher as the only coordinator.
 
-The launcher (run_elastic.py) owns a :class:`Rendezvous` and serves it on a Unix socket inside its
+The launcher (launch/elastic.py) owns a :class:`Rendezvous` and serves it on a Unix socket inside its
 private report folder (mode 0700: only the job's user can reach it; every request also carries the
 job secret, which only the workers' environment holds). A worker talks to it in two ways:
 
