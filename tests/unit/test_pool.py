@@ -1,4 +1,4 @@
-"""The output pool (csrc/bindings/pool.cc): arrays from _core.pool_empty are ordinary writable numpy
+"""The output pool (csrc/common/output_pool.cc, bound in csrc/bindings/pool.cc): arrays from _core.pool_empty are ordinary writable numpy
 arrays, their memory is reused only once every array and view of it is gone, the cache stays under
 its cap, and it holds up under threads and fork. fx.allreduce without out= takes its results there."""
 
