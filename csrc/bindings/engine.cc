@@ -45,7 +45,8 @@ void bind_engine(py::module_& m) {
                        size_t bucket_cap_bytes, int max_records, size_t stream_min_bytes, py::object inter_host,
                        const std::string& timeline_path, int timeline_rank, double spin_us,
                        double stall_warning_s, const std::string& report_dir, std::vector<int> segment_ranks,
-                       std::vector<int> job_ranks, size_t net_chunk_bytes, double host_timeout_s) {
+                       std::vector<int> job_ranks, size_t net_chunk_bytes, double host_timeout_s,
+                       bool yield_on_wake, const std::string& host_id) {
              JobConfig job;
              job.shm.name = name;
              job.shm.rank = rank;
@@ -64,6 +65,8 @@ void bind_engine(py::module_& m) {
              job.stream_min_bytes = stream_min_bytes;
              job.net_chunk_bytes = net_chunk_bytes;
              job.host_timeout_s = host_timeout_s;
+             job.host_id = host_id;
+             job.engine.yield_on_wake = yield_on_wake;
              job.engine.bucket_cap_bytes = bucket_cap_bytes;
              job.engine.max_records = max_records;
              job.engine.cpus = std::move(cpus);
@@ -80,7 +83,8 @@ void bind_engine(py::module_& m) {
            py::arg("inter_host") = py::none(), py::arg("timeline_path") = "", py::arg("timeline_rank") = 0,
            py::arg("spin_us") = 50.0, py::arg("stall_warning_s") = 60.0, py::arg("report_dir") = "",
            py::arg("segment_ranks") = std::vector<int>{}, py::arg("job_ranks") = std::vector<int>{},
-           py::arg("net_chunk_bytes") = static_cast<size_t>(1u << 20), py::arg("host_timeout_s") = 0.0)
+           py::arg("net_chunk_bytes") = static_cast<size_t>(1u << 20), py::arg("host_timeout_s") = 0.0,
+           py::arg("yield_on_wake") = true, py::arg("host_id") = "")
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("size", &Engine::size)
       .def_property_readonly("oob_capacity", &Engine::oob_capacity)

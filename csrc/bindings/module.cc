@@ -1,13 +1,17 @@
 // fastxfer._core: the pybind11 module. It binds; it holds no logic. One file per area (kernels.cc,
 // fusion.cc, engine.cc, topology.cc, data.cc, pool.cc); this one maps the core's error types to
-// fastxfer's Python exceptions and applies the environment's settings (SIMD level, pool cap) at import.
+// fastxfer's Python exceptions and binds `configure`, through which fastxfer/__init__.py hands the
+// process-wide settings (SIMD level, kernel threads, output pool cap) to the core at import: the
+// core reads no environment variable (fastxfer/settings.py reads them all).
 #include <pybind11/pybind11.h>
 
 #include <stdexcept>
+#include <string>
 
 #include "bindings/arrays.h"
-#include "bindings/pool.h"
 #include "common/errors.h"
+#include "common/output_pool.h"
+#include "common/parallel.h"
 #include "kernels/compress.h"
 #include "topology/topology.h"
 
@@ -41,14 +45,17 @@ PYBIND11_MODULE(_core, m) {
     }
   });
 
-  // FASTXFER_SIMD=<level> forces a lower kernel path, FASTXFER_OUTPUT_POOL_MB caps the output
-  // pool; a bad value fails the import.
-  try {
-    init_simd_level_from_env();
-    init_pool_from_env();
-  } catch (const std::invalid_argument& e) {
-    throw py::import_error(e.what());
-  }
+  m.def(
+      "configure",
+      [](const std::string& simd_level, int threads, size_t output_pool_cap_bytes) {
+        set_simd_level(simd_level.empty() ? best_simd_level() : simd_level_from_name(simd_level));
+        set_default_threads(threads);
+        pool_set_cap(output_pool_cap_bytes);
+      },
+      py::arg("simd_level"), py::arg("threads"), py::arg("output_pool_cap_bytes"),
+      "The process-wide settings: the kernel path (\"\": the best this CPU supports; ValueError for one it "
+      "cannot run), the kernels' default thread count (0: the CPUs of the affinity mask) and the output "
+      "pool's cap in bytes. fastxfer/__init__.py calls it at import with fastxfer.settings' values.");
 
   bindings::bind_kernels(m);
   bindings::bind_fusion(m);

@@ -135,8 +135,9 @@ bool NetLane::busy() const {
 }
 
 HierarchicalCollectives::HierarchicalCollectives(std::unique_ptr<ShmCollectives> local, std::shared_ptr<InterHost> inter,
-                                                 size_t net_chunk_bytes, double host_timeout_s)
-    : local_(std::move(local)), inter_(std::move(inter)), net_chunk_bytes_(net_chunk_bytes),
+                                                 size_t net_chunk_bytes, double host_timeout_s,
+                                                 const std::string& host_id)
+    : local_(std::move(local)), inter_(std::move(inter)), net_chunk_bytes_(net_chunk_bytes), host_id_(host_id),
       lane_(std::make_unique<NetLane>()) {
   if (host_timeout_s > 0) start_heartbeat(host_timeout_s);
 }
@@ -166,9 +167,8 @@ void HierarchicalCollectives::start_heartbeat(double timeout_s) {
   // Every rank tells every other how to reach it; its counterparts on the other hosts (the same
   // local rank) are the peers it watches. Rank 0's token marks this job's datagrams.
   beat_ = std::make_unique<HostHeartbeat>();
-  const char* sim = std::getenv("FASTXFER_HOST_ID");  // hosts simulated on one machine
   const std::string machine = host_label();
-  const std::string label = sim && *sim ? machine + "/" + sim : machine;
+  const std::string label = host_id_.empty() ? machine : machine + "/" + host_id_;  // emulated hosts
   std::random_device rd;
   const uint64_t token = (static_cast<uint64_t>(rd()) << 32) ^ rd();
   std::ostringstream mine;

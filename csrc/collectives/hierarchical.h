@@ -54,9 +54,12 @@ class HierarchicalCollectives : public Collectives {
   // cross-host stage of one overlaps the shared-memory stages of the next (0: no overlap, one
   // cross-host call per half window). `host_timeout_s` > 0: heartbeats between hosts
   // (transport/heartbeat.h) with this deadline; a lost host interrupts every network wait with
-  // PeerFailure naming it. Collective: exchanges the heartbeat endpoints.
+  // PeerFailure naming it. Collective: exchanges the heartbeat endpoints. `host_id`: this host's
+  // identity when hosts are emulated on one machine (FASTXFER_HOST_ID, read by fastxfer.settings);
+  // the heartbeats then name a lost host by it (empty: by the machine's name alone).
   HierarchicalCollectives(std::unique_ptr<ShmCollectives> local, std::shared_ptr<InterHost> inter,
-                          size_t net_chunk_bytes = 1u << 20, double host_timeout_s = 0);
+                          size_t net_chunk_bytes = 1u << 20, double host_timeout_s = 0,
+                          const std::string& host_id = std::string());
   ~HierarchicalCollectives() override;
 
   int rank() const override { return inter_->rank(); }
@@ -96,6 +99,7 @@ class HierarchicalCollectives : public Collectives {
   std::unique_ptr<ShmCollectives> local_;
   std::shared_ptr<InterHost> inter_;
   size_t net_chunk_bytes_;
+  std::string host_id_;                // emulated hosts: this host's id (empty: a real host)
   std::unique_ptr<NetLane> lane_;      // every network call of the engine's rounds
   std::unique_ptr<NetLane> oob_lane_;  // oob_allreduce's (the caller's thread waits for it)
   std::mutex lost_mu_;

@@ -13,11 +13,14 @@
 
 namespace fastxfer {
 
+namespace {
+std::atomic<int> g_default_threads{0};  // 0: the affinity mask's CPUs
+}  // namespace
+
+void set_default_threads(int n) { g_default_threads.store(n > 0 ? n : 0, std::memory_order_relaxed); }
+
 int default_threads() {
-  if (const char* env = std::getenv("FASTXFER_THREADS")) {
-    int v = std::atoi(env);
-    if (v > 0) return v;
-  }
+  if (int v = g_default_threads.load(std::memory_order_relaxed); v > 0) return v;
   cpu_set_t set;
   if (sched_getaffinity(0, sizeof(set), &set) == 0) {
     int c = CPU_COUNT(&set);

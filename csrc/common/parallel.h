@@ -13,9 +13,14 @@
 
 namespace fastxfer {
 
-// Threads used when the caller passes threads <= 0: FASTXFER_THREADS if set, else the number of
-// CPUs in this process's affinity mask (so a numactl-bound worker does not oversubscribe).
+// Threads used when the caller passes threads <= 0: the count given to set_default_threads, else
+// the number of CPUs in this process's affinity mask (so a numactl-bound worker does not
+// oversubscribe).
 int default_threads();
+// Sets default_threads() for the whole process; n <= 0 goes back to the affinity mask's CPUs.
+// fastxfer/__init__.py passes FASTXFER_THREADS here at import (through _core.configure); the core
+// itself reads no environment variable.
+void set_default_threads(int n);
 
 // Persistent worker threads that sleep on a condition variable between calls. run(count, task)
 // runs task(i) for i in [1, count) on workers and task(0) on the caller, and returns when all are

@@ -12,6 +12,9 @@
 // arrive while a round runs wait for the next round, which fuses whatever has accumulated — so
 // gradients produced during the backward pass are reduced while the rest are still computed.
 // A single thread keeps the collectives' sequence counters in lock-step without any locking.
+//
+// This file: the thread, the queue, the rounds and the handles. What each kind of collective does
+// once agreed is dispatch.cc; a joined rank's stand-ins for its peers' allreduces are join.cc.
 #include "engine/engine.h"
 
 #include <pthread.h>
@@ -21,14 +24,12 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <limits>
 #include <stdexcept>
 #include <string>
 
 #include "collectives/hierarchical.h"
 #include "collectives/shm_collectives.h"
 #include "common/errors.h"
-#include "fusion/bucket_planner.h"
 
 namespace fastxfer {
 
@@ -95,44 +96,6 @@ void Engine::throw_error(ErrorKind kind, const std::string& msg) const {
   }
 }
 
-// What alltoall and reducescatter rely on, for every entry point (numpy, the TensorFlow ops):
-// a first dimension, and for alltoall splits that add up to it (default: an equal split).
-void Engine::check_shape(Request& req) const {
-  const auto kind = req.kind;
-  if (kind != CollectiveKind::kAlltoall && kind != CollectiveKind::kReducescatter) return;
-  const char* what = kind_name(kind);
-  if (req.rec.ndim < 1)
-    throw std::invalid_argument(std::string(what) + " needs a tensor of 1 to " + std::to_string(kMaxDims) +
-                                " dimensions (it splits the first one)");
-  if (kind == CollectiveKind::kReducescatter) {
-    if (req.op != ReduceOp::kSum && req.op != ReduceOp::kAverage)
-      throw std::invalid_argument(std::string("reducescatter takes op sum or average, not ") + op_name(req.op));
-    if (req.compression != Compression::kNone) throw std::invalid_argument("reducescatter takes no compression");
-    return;
-  }
-  const int64_t rows = req.rec.shape[0];
-  const int n = size();
-  if (req.splits.empty()) {
-    if (rows % n != 0)
-      throw std::invalid_argument("alltoall without splits sends the same number of rows to every rank: the first "
-                                  "dimension (" + std::to_string(rows) + ") must be divisible by the number of ranks (" +
-                                  std::to_string(n) + "); pass splits");
-    req.splits.assign(n, rows / n);
-    return;
-  }
-  if (req.splits.size() != static_cast<size_t>(n))
-    throw std::invalid_argument("alltoall splits must have one entry per rank (" + std::to_string(n) + "), not " +
-                                std::to_string(req.splits.size()));
-  int64_t total = 0;
-  for (int64_t v : req.splits) {
-    if (v < 0) throw std::invalid_argument("alltoall splits must be >= 0, not " + std::to_string(v));
-    total += v;
-  }
-  if (total != rows)
-    throw std::invalid_argument("alltoall splits add up to " + std::to_string(total) +
-                                " rows, but the tensor's first dimension is " + std::to_string(rows));
-}
-
 uint64_t Engine::submit(Request req, bool defer, bool hold) {
   // Invariants the bucket planner relies on (fastxfer/_validate.py gives users the friendly message).
   if (req.compression != Compression::kNone && req.dtype != DType::kFloat32)
@@ -171,7 +134,7 @@ uint64_t Engine::submit(Request req, bool defer, bool hold) {
   // The engine thread slept with nothing to do: give it this core now, so that it publishes the
   // round while the peers wait, instead of whenever the scheduler gets to it (measured: up to
   // ~170 us later on a worker with one core, docs/architecture.md).
-  if (woke && yield_on_wake_) sched_yield();
+  if (woke && cfg_.yield_on_wake) sched_yield();
   return id;
 }
 
@@ -359,81 +322,6 @@ void Engine::fail_all(ErrorKind kind, const std::string& msg) {
   fail_callbacks(first, first_msg);
 }
 
-namespace {
-
-// The element that leaves a reduction unchanged: 0 for sum/average, 1 for product, +inf (or the
-// largest integer) for min, -inf (or the smallest) for max; bool: false for sum/max (or), true for
-// min/product (and).
-void fill_neutral(DType dt, ReduceOp op, void* p, size_t n) {
-  if (op == ReduceOp::kSum || op == ReduceOp::kAverage) {
-    std::memset(p, 0, n * dtype_size(dt));
-    return;
-  }
-  auto fill = [&](auto v) {
-    using T = decltype(v);
-    T* q = static_cast<T*>(p);
-    std::fill(q, q + n, v);
-  };
-  if (op == ReduceOp::kProduct) {
-    switch (dt) {
-      case DType::kFloat32: return fill(1.0f);
-      case DType::kFloat64: return fill(1.0);
-      case DType::kFloat16: return fill(static_cast<uint16_t>(0x3C00));
-      case DType::kBFloat16: return fill(static_cast<uint16_t>(0x3F80));
-      case DType::kInt32: return fill(int32_t{1});
-      case DType::kInt64: return fill(int64_t{1});
-      case DType::kUInt8: case DType::kInt8: case DType::kBool: return fill(uint8_t{1});
-      case DType::kUInt16: case DType::kInt16: return fill(uint16_t{1});
-    }
-  }
-  const bool lo = op == ReduceOp::kMax;
-  auto ints = [&](auto t) {
-    using T = decltype(t);
-    return fill(lo ? std::numeric_limits<T>::lowest() : std::numeric_limits<T>::max());
-  };
-  switch (dt) {
-    case DType::kFloat32: return fill(lo ? -std::numeric_limits<float>::infinity() : std::numeric_limits<float>::infinity());
-    case DType::kFloat64:
-      return fill(lo ? -std::numeric_limits<double>::infinity() : std::numeric_limits<double>::infinity());
-    case DType::kFloat16: return fill(static_cast<uint16_t>(lo ? 0xFC00 : 0x7C00));
-    case DType::kBFloat16: return fill(static_cast<uint16_t>(lo ? 0xFF80 : 0x7F80));
-    case DType::kInt32: return ints(int32_t{});
-    case DType::kInt64: return ints(int64_t{});
-    case DType::kUInt8: return ints(uint8_t{});
-    case DType::kInt8: return ints(int8_t{});
-    case DType::kUInt16: return ints(uint16_t{});
-    case DType::kInt16: return ints(int16_t{});
-    case DType::kBool: return fill(static_cast<uint8_t>(lo ? 0 : 1));
-  }
-  throw std::invalid_argument(std::string("join: no neutral element for ") + dtype_name(dt));
-}
-
-}  // namespace
-
-std::vector<std::unique_ptr<Request>> Engine::stand_ins(const std::vector<Record>& recs, size_t n) {
-  std::vector<std::unique_ptr<Request>> out;
-  for (size_t i = 0; i < n; ++i) {
-    const Record& rec = recs[i];
-    auto r = std::make_unique<Request>();
-    r->kind = CollectiveKind::kAllreduce;
-    r->dtype = static_cast<DType>(rec.dtype);
-    r->numel = record_numel(rec);
-    r->op = static_cast<ReduceOp>(rec.op);
-    r->compression = static_cast<Compression>(rec.compression);
-    r->prescale = rec.prescale;
-    r->postscale = rec.postscale;
-    r->rec = rec;
-    r->stand_in = true;
-    const size_t bytes = r->numel * dtype_size(r->dtype);
-    r->stand_in_buf.resize(2 * bytes + 1);
-    fill_neutral(r->dtype, r->op, r->stand_in_buf.data(), r->numel);
-    r->in = r->stand_in_buf.data();
-    r->out = r->stand_in_buf.data() + bytes;
-    out.push_back(std::move(r));
-  }
-  return out;
-}
-
 // One negotiation round and the batch it agrees on, on whichever thread holds `driving_`: the
 // engine thread, or a thread waiting for its own request (see wait()). Returns whether the batch
 // ended with the shutdown request. Throws what the collectives throw.
@@ -607,127 +495,6 @@ void Engine::loop() {
   done_cv_.notify_all();
 }
 
-// A request must not be touched after finish(r): its waiter may release it at once.
-void Engine::run_batch(const std::vector<Request*>& batch, const std::vector<std::vector<Record>>& all) {
-  for (size_t i = 0; i < batch.size();) {
-    Request* r = batch[i];
-    switch (r->kind) {
-      case CollectiveKind::kAllreduce: {
-        // Fuse the run of consecutive allreduces that can share a bucket.
-        size_t e = i + 1;
-        auto same = [&](const Request* a) {
-          return a->kind == CollectiveKind::kAllreduce && a->dtype == r->dtype && a->op == r->op &&
-                 a->compression == r->compression && a->prescale == r->prescale && a->postscale == r->postscale &&
-                 a->rec.bucket_cap == r->rec.bucket_cap;
-        };
-        while (e < batch.size() && same(batch[e])) ++e;
-        // `r` is finished with the first bucket (and may be released): keep what the run needs.
-        const ReduceOp op = r->op;
-        const double prescale = r->prescale, postscale = r->postscale;
-        std::vector<TensorSpec> specs;
-        for (size_t k = i; k < e; ++k) specs.push_back({batch[k]->numel, batch[k]->dtype});
-        const size_t cap = r->rec.bucket_cap > 0 ? static_cast<size_t>(r->rec.bucket_cap) : cfg_.bucket_cap_bytes;
-        BucketPlanner planner(cap, cap, r->compression);
-        for (const Bucket& b : planner.plan(specs)) {
-          AllreduceJob job{&b, {}, {}, op, prescale, postscale};
-          for (int t : b.tensors) {
-            job.srcs.push_back(batch[i + t]->in);
-            job.outs.push_back(batch[i + t]->out);
-          }
-          const double t0 = timeline_.enabled() ? timeline_.now() : 0;
-          comm_->allreduce(job);
-          if (timeline_.enabled()) {
-            const double t1 = timeline_.now();
-            const std::string label = "bucket " + std::to_string(buckets_++);
-            timeline_.span(Timeline::kEngineLane, "engine", label, t0, t1,
-                           "\"tensors\": " + std::to_string(b.tensors.size()) + ", \"bytes\": " +
-                               std::to_string(b.nbytes()) + ", \"wire\": \"" + dtype_name(b.wire_dtype) + "\"");
-            for (int t : b.tensors) trace(*batch[i + t], t0, t1, label);
-          }
-          for (int t : b.tensors) finish(batch[i + t]);
-        }
-        i = e;
-        continue;
-      }
-      case CollectiveKind::kBroadcast: {
-        const double t0 = timeline_.enabled() ? timeline_.now() : 0;
-        comm_->broadcast(r->in, r->out, r->numel * dtype_size(r->dtype), r->root);
-        if (timeline_.enabled()) trace(*r, t0, timeline_.now(), "broadcast");
-        break;
-      }
-      case CollectiveKind::kAllgather: {
-        std::vector<size_t> bytes(all.size());
-        size_t total = 0;
-        int64_t rows = 0;
-        for (size_t j = 0; j < all.size(); ++j) {
-          bytes[j] = record_numel(all[j][i]) * dtype_size(r->dtype);
-          total += bytes[j];
-          rows += all[j][i].ndim > 0 ? all[j][i].shape[0] : 1;
-        }
-        r->gathered.resize(total);
-        r->gathered_rows = rows;
-        const double t0 = timeline_.enabled() ? timeline_.now() : 0;
-        comm_->allgather(r->in, r->gathered.data(), bytes);
-        if (timeline_.enabled()) trace(*r, t0, timeline_.now(), "allgather");
-        break;
-      }
-      case CollectiveKind::kAlltoall: {
-        // Every rank's splits first (size x size rows), then the blocks themselves.
-        const size_t n = all.size();
-        const int me = comm_->rank();
-        int64_t row = 1;  // elements per row: the rest of the shape, the same on every rank
-        for (int d = 1; d < r->rec.ndim; ++d) row *= r->rec.shape[d];
-        const size_t row_bytes = static_cast<size_t>(row) * dtype_size(r->dtype);
-        std::vector<int64_t> matrix(n * n);
-        const double t0 = timeline_.enabled() ? timeline_.now() : 0;
-        comm_->allgather(r->splits.data(), matrix.data(), std::vector<size_t>(n, n * sizeof(int64_t)));
-        std::vector<size_t> bytes(n * n);
-        for (size_t k = 0; k < n * n; ++k) bytes[k] = static_cast<size_t>(matrix[k]) * row_bytes;
-        r->recv_splits.resize(n);
-        int64_t rows = 0;
-        for (size_t j = 0; j < n; ++j) rows += (r->recv_splits[j] = matrix[j * n + me]);
-        r->gathered.resize(static_cast<size_t>(rows) * row_bytes);
-        r->gathered_rows = rows;
-        comm_->alltoall(r->in, r->gathered.data(), bytes);
-        if (timeline_.enabled()) trace(*r, t0, timeline_.now(), "alltoall");
-        break;
-      }
-      case CollectiveKind::kReducescatter: {
-        // Rows split as evenly as possible, the first (rows mod size) ranks one more (Horovod's rule).
-        const int64_t n = static_cast<int64_t>(all.size()), rows = r->rec.shape[0];
-        const int me = comm_->rank();
-        const size_t row = rows > 0 ? r->numel / static_cast<size_t>(rows) : 0;
-        ReducescatterJob job{r->in, r->out, r->dtype, r->op, r->prescale * r->postscale, {}};
-        for (int64_t j = 0; j < n; ++j) job.counts.push_back(static_cast<size_t>(rows / n + (j < rows % n)) * row);
-        r->gathered_rows = rows / n + (me < rows % n);
-        if (job.out == nullptr) {
-          r->gathered.resize(job.counts[me] * dtype_size(r->dtype));
-          job.out = r->gathered.data();
-        }
-        const double t0 = timeline_.enabled() ? timeline_.now() : 0;
-        comm_->reducescatter(job);
-        if (timeline_.enabled()) trace(*r, t0, timeline_.now(), "reducescatter");
-        break;
-      }
-      case CollectiveKind::kJoin:      // every rank has joined: agreeing on it completes it
-      case CollectiveKind::kBarrier:   // agreeing on it was the barrier: every rank had reached it
-      case CollectiveKind::kShutdown:  // likewise; the loop stops after this batch
-        break;
-    }
-    finish(r);
-    ++i;
-  }
-}
-
-void Engine::trace(const Request& r, double t0, double t1, const std::string& bucket) {
-  const int lane = timeline_.lane(std::string(r.rec.name, strnlen(r.rec.name, sizeof r.rec.name)));
-  timeline_.span(lane, "tensor", "queued", r.t_submit, r.t_agreed);
-  if (t0 > r.t_agreed) timeline_.span(lane, "tensor", "wait", r.t_agreed, t0);
-  timeline_.span(lane, "tensor", kind_name(r.kind), t0, t1,
-                 "\"bucket\": \"" + bucket + "\", \"elements\": " + std::to_string(r.numel) + ", \"dtype\": \"" +
-                     dtype_name(r.dtype) + "\"");
-}
-
 void Engine::oob_allreduce(const Record& rec, const void* in, void* out, size_t n, DType dtype, ReduceOp op,
                            double postscale) {
   check_process();
@@ -802,7 +569,8 @@ std::shared_ptr<Engine> start_engine(const JobConfig& job, std::shared_ptr<Inter
   auto local = std::make_unique<ShmCollectives>(job.shm, job.threads, job.stream_min_bytes);
   std::unique_ptr<Engine> eng =
       inter ? std::make_unique<Engine>(std::make_unique<HierarchicalCollectives>(std::move(local), inter, job.net_chunk_bytes,
-                                                                                   job.host_timeout_s), job.engine)
+                                                                                   job.host_timeout_s, job.host_id),
+                                       job.engine)
             : std::make_unique<Engine>(std::move(local), job.engine);
   // A forked child holds a copy of the parent's engine: its thread does not exist there, its
   // mutexes and condition variables may be mid-use (destroying one would wait forever for the

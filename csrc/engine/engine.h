@@ -5,7 +5,6 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
-#include <cstdlib>
 #include <deque>
 #include <functional>
 #include <memory>
@@ -33,6 +32,8 @@ struct EngineConfig {
   int timeline_rank = 0;        // the rank the timeline names (its Chrome-trace pid)
   std::vector<int> rank_names;  // the job rank of each of the engine's ranks, for messages (empty: the
                                 // same numbers; a process set's differ)
+  bool yield_on_wake = true;    // a submit that wakes the sleeping engine thread yields the core to it
+                                // (FASTXFER_YIELD; docs/architecture.md, "Waking the engine thread")
 };
 
 enum class ErrorKind : int { kNone = 0, kPeerFailure, kMismatch, kEngine, kInvalid };
@@ -140,23 +141,25 @@ class Engine {
     int joined_last = -1;   // a finished join's result
   };
 
+  // engine.cc: the thread, the rounds, the handles.
   void loop();
   bool run_round();
-  void check_shape(Request& req) const;
-  // A joined rank's stand-ins for the allreduces its peers still run (engine.cc, "join").
-  std::vector<std::unique_ptr<Request>> stand_ins(const std::vector<Record>& recs, size_t n);
   void fail_from(ErrorKind kind, const std::string& msg);  // fail everything and tell the peers
   void fail_from_current();  // fail_from() for the exception being handled (call in a catch block)
-  void run_batch(const std::vector<Request*>& batch, const std::vector<std::vector<Record>>& all);
   void finish(Request* r);
-  // Timeline spans of one request that ran from t0 to t1 (before finish(r)).
-  void trace(const Request& r, double t0, double t1, const std::string& bucket);
   void fail_all(ErrorKind kind, const std::string& msg);
   // Fails every callback request still queued or running (after the thread stopped).
   void fail_callbacks(ErrorKind kind, const std::string& msg);
   [[noreturn]] void throw_error(ErrorKind kind, const std::string& msg) const;
   // EngineError in a forked child of the process that started the engine.
   void check_process() const;
+  // dispatch.cc: the per-kind rules checked at submit, running an agreed batch, its timeline spans.
+  void check_shape(Request& req) const;
+  void run_batch(const std::vector<Request*>& batch, const std::vector<std::vector<Record>>& all);
+  // Timeline spans of one request that ran from t0 to t1 (before finish(r)).
+  void trace(const Request& r, double t0, double t1, const std::string& bucket);
+  // join.cc: a joined rank's stand-ins for the allreduces its peers still run.
+  std::vector<std::unique_ptr<Request>> stand_ins(const std::vector<Record>& recs, size_t n);
 
   std::unique_ptr<Collectives> comm_;
   EngineConfig cfg_;
@@ -177,7 +180,6 @@ class Engine {
   bool engine_sleeping_ = false;  // the engine thread waits for work
   size_t held_ = 0;  // the last held_ requests of queue_ were submitted with `hold` and not released yet
   std::chrono::steady_clock::time_point held_since_;  // the latest held submit
-  bool yield_on_wake_ = getenv("FASTXFER_YIELD") == nullptr || getenv("FASTXFER_YIELD")[0] != '0';
   ErrorKind fatal_ = ErrorKind::kNone;
   std::string fatal_msg_;
   std::mutex oob_mu_;
@@ -185,7 +187,8 @@ class Engine {
   std::thread thread_;
 };
 
-// Everything a process needs to join the job's collectives (what fastxfer.init() gathered).
+// Everything a process needs to join the job's collectives (what fastxfer.init() gathered; every
+// value the environment sets arrives here from fastxfer.settings: the core reads no environment).
 struct JobConfig {
   ShmConfig shm;                       // this host's segment
   int threads = 1;                     // pack/unpack threads inside one chunk
@@ -193,6 +196,8 @@ struct JobConfig {
   size_t net_chunk_bytes = 1u << 20;   // several hosts: allreduce chunks overlapped with the network
                                        // hold at most this on the wire (0: no overlap)
   double host_timeout_s = 0;           // several hosts: heartbeat deadline (0: no heartbeats)
+  std::string host_id;                 // several hosts emulated on one machine: this host's id
+                                       // (FASTXFER_HOST_ID; empty: a real host)
   EngineConfig engine;
 };
 

@@ -18,10 +18,9 @@ SimdLevel simd_level_from_name(const std::string& name);  // throws std::invalid
 std::vector<SimdLevel> supported_simd_levels();             // ascending, scalar first
 SimdLevel best_simd_level();
 SimdLevel active_simd_level();
-// Throws std::invalid_argument if this CPU cannot run `level`.
+// Throws std::invalid_argument if this CPU cannot run `level`. fastxfer/__init__.py sets the level
+// FASTXFER_SIMD asks for here at import (through _core.configure); the core reads no environment.
 void set_simd_level(SimdLevel level);
-// Applies FASTXFER_SIMD if set (called once when the module is imported).
-void init_simd_level_from_env();
 
 const CompressKernels& active_kernels();
 

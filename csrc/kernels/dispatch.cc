@@ -108,16 +108,6 @@ void set_simd_level(SimdLevel level) {
   active_level().store(static_cast<int>(level));
 }
 
-void init_simd_level_from_env() {
-  const char* env = std::getenv("FASTXFER_SIMD");
-  if (!env || !*env) return;
-  try {
-    set_simd_level(simd_level_from_name(env));
-  } catch (const std::invalid_argument& e) {
-    throw std::invalid_argument(std::string("FASTXFER_SIMD=") + env + ": " + e.what());
-  }
-}
-
 const CompressKernels& active_kernels() { return *active().load(); }
 
 const ResampleKernels& resample_kernels() {

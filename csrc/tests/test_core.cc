@@ -1,6 +1,7 @@
 // C++ tests of the core, independent of Python: every SIMD table against the scalar reference on
 // random bit patterns, pack_range/unpack_range on arbitrary ranges, the bucket planner's
-// invariants, reduce_block against a plain loop, CPU-list parsing. Built with
+// invariants, reduce_block against a plain loop, CPU-list parsing, the process-wide settings (set
+// through the same calls _core.configure makes: the core reads no environment). Built with
 // -DFASTXFER_BUILD_CPP_TESTS=ON and run by ctest (tests/test_cpp.py does both).
 #include <cmath>
 #include <cstdio>
@@ -17,6 +18,8 @@
 #include "topology/topology.h"
 #include "collectives/hierarchical.h"
 #include "common/errors.h"
+#include "common/output_pool.h"
+#include "common/parallel.h"
 #include "transport/heartbeat.h"
 
 #include <arpa/inet.h>
@@ -395,7 +398,28 @@ static void test_heartbeat() {
   }
 }
 
+// What _core.configure does at import (fastxfer/settings.py reads the environment, not the core).
+static void test_process_settings() {
+  const int mask = default_threads();
+  CHECK(mask >= 1, "default threads %d", mask);
+  set_default_threads(3);
+  CHECK(default_threads() == 3, "set_default_threads(3) gave %d", default_threads());
+  set_default_threads(0);
+  CHECK(default_threads() == mask, "set_default_threads(0) gave %d, not the mask's %d", default_threads(), mask);
+  const SimdLevel best = best_simd_level();
+  set_simd_level(SimdLevel::kScalar);
+  CHECK(active_simd_level() == SimdLevel::kScalar, "scalar level not applied");
+  set_simd_level(best);
+  const size_t cap = pool_stats().cap_bytes;
+  pool_set_cap(size_t(1) << 20);
+  void* p = pool_acquire(size_t(2) << 20);  // larger than the cap: never cached
+  pool_release(p, 0);
+  CHECK(pool_stats().cap_bytes == (size_t(1) << 20) && pool_stats().cached_bytes == 0, "pool cap not applied");
+  pool_set_cap(cap);
+}
+
 int main() {
+  test_process_settings();
   test_net_lane_interrupt();
   test_heartbeat();
   test_kernels_match_reference();

@@ -10,13 +10,18 @@ Native core: SIMD bf16/fp16 kernels, fused gradient buckets (``fastxfer.fusion``
 background engine that reduces over shared memory.
 """
 
-from fastxfer import _core
+from fastxfer import _configure, _core
 from fastxfer.comm import (Handle, ProcessSet, add_process_set, allgather, allgather_object, allreduce, allreduce_async,
                            alltoall, alltoall_async, barrier, broadcast, broadcast_object, engine_stats,
                            global_process_set, grouped_reducescatter, init, is_initialized, join, local_rank,
                            local_size, oob_allreduce, rank, reducescatter, remove_process_set, shutdown, size)
 from fastxfer.compression import compress, decompress
 from fastxfer.errors import FastxferError, MismatchError, PeerFailureError
+
+# The process-wide native settings (FASTXFER_SIMD, FASTXFER_THREADS, FASTXFER_OUTPUT_POOL_MB), read
+# through fastxfer.settings and handed to the core before anything runs a kernel; a bad value fails
+# the import with one line naming it (settings.SettingError).
+_configure.configure_core()
 
 __version__ = _core.__version__
 

@@ -13,6 +13,14 @@ import numpy as np
 
 __version__: str
 
+# ---- process-wide settings (fastxfer/__init__.py applies fastxfer.settings' values at import) ----
+
+def configure(simd_level: str, threads: int, output_pool_cap_bytes: int) -> None:
+    """The process-wide settings: the kernel path ("": the best this CPU supports; ValueError for one it
+    cannot run), the kernels' default thread count (0: the CPUs of the affinity mask) and the output pool's
+    cap in bytes. The core reads no environment variable: these come from FASTXFER_SIMD, FASTXFER_THREADS
+    and FASTXFER_OUTPUT_POOL_MB through fastxfer.settings."""
+
 # ---- CPU features and kernel dispatch ----------------------------------------------------------
 
 def simd_level() -> str:
@@ -43,7 +51,7 @@ def cpu_features() -> CpuFeatures:
     """This CPU's features (probed once, at import)."""
 
 def default_threads() -> int:
-    """The kernels' default thread count: FASTXFER_THREADS, else the CPUs this process may use."""
+    """The kernels' default thread count: configure()'s (FASTXFER_THREADS), else the CPUs this process may use."""
 
 def _set_stream_stores(on: bool) -> None:
     """Testing hook: non-temporal float32 stores in the kernels on the calling thread."""
@@ -122,7 +130,7 @@ def unpack(bucket: Bucket, buffer: np.ndarray, outs: Sequence[np.ndarray], scale
            threads: int = 0) -> None:
     """Split a packed buffer into ``outs`` (one per tensor), decompressing and scaling on the way."""
 
-# ---- output pool (bindings/pool.cc) ----------------------------------------------------------
+# ---- output pool (common/output_pool.h, bound in bindings/pool.cc) ---------------------------
 
 def pool_empty(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
     """An uninitialised, writable, C-contiguous array whose page-aligned memory comes from the output
@@ -133,7 +141,7 @@ def output_pool_stats() -> dict[str, int]:
     bad_releases (releases of buffers that were not live: refused)."""
 
 def set_output_pool_cap(bytes: int) -> None:
-    """Cap the bytes kept cached (0: cache nothing; FASTXFER_OUTPUT_POOL_MB sets it at import)."""
+    """Cap the bytes kept cached (0: cache nothing; configure() sets FASTXFER_OUTPUT_POOL_MB's at import)."""
 
 def output_pool_trim() -> None:
     """Unmap every cached buffer (live arrays are untouched)."""
@@ -159,11 +167,18 @@ class Engine:
                  attach_timeout_s: float, threads: int, cpus: Sequence[int], bucket_cap_bytes: int,
                  max_records: int, stream_min_bytes: int, inter_host: Any = None, timeline_path: str = "",
                  timeline_rank: int = 0, spin_us: float = 50.0, stall_warning_s: float = 60.0,
-                 report_dir: str = "") -> None:
+                 report_dir: str = "", segment_ranks: Sequence[int] = (), job_ranks: Sequence[int] = (),
+                 net_chunk_bytes: int = 1 << 20, host_timeout_s: float = 0.0, yield_on_wake: bool = True,
+                 host_id: str = "") -> None:
         """Create or attach this host's segment ``name`` and start the engine thread; waits for the other local
         ranks. ``inter_host``: an object with the InterHost methods (fastxfer.comm.mpi.MPIInterHost) for jobs
         that span several hosts. ``stall_warning_s``: a wait this long warns once, naming the rank that stalls;
-        ``report_dir``: where stall reports go for the launcher (FASTXFER_REPORT_DIR)."""
+        ``report_dir``: where stall reports go for the launcher (FASTXFER_REPORT_DIR); ``segment_ranks`` /
+        ``job_ranks``: the job rank of each rank of the segment / the engine, for messages; ``net_chunk_bytes``,
+        ``host_timeout_s``: several hosts (FASTXFER_NET_CHUNK_MB, FASTXFER_HOST_TIMEOUT); ``yield_on_wake``: a
+        submit that wakes the sleeping engine thread yields the core (FASTXFER_YIELD); ``host_id``: this host's
+        id when hosts are emulated on one machine (FASTXFER_HOST_ID). Every value comes from fastxfer.settings:
+        the core reads no environment variable."""
     @property
     def rank(self) -> int:
         """This process's rank in the engine's group."""

@@ -77,6 +77,13 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    from fastxfer import settings
+
+    try:  # every FASTXFER_* setting, before anything reads one: one line and exit code 2 for a bad value
+        settings.validate_all()
+    except settings.SettingError as e:
+        print(f"fastxfer: {e}", file=sys.stderr)
+        return 2
     args = build_parser(argv).parse_args(argv)
     return args.func(args)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from fastxfer import _core
+from fastxfer import _core, settings
 from fastxfer.errors import TopologyError
 
 DESIGN_KEYS = ("sockets", "cores", "threads_per_core", "numa_nodes", "isa", "workers")
@@ -146,12 +146,12 @@ def apply_thread_settings(tf_module=None) -> dict:
                             threading.set_intra_op_parallelism_threads),
                            ("FASTXFER_INTER_OP_THREADS", threading.get_inter_op_parallelism_threads,
                             threading.set_inter_op_parallelism_threads)):
-        value = os.environ.get(env)
-        if not value or get() != 0:
+        value = settings.get(env)
+        if value is None or get() != 0:
             continue  # no plan, or the user set it
         try:
-            set_(int(value))
-            applied[env] = int(value)
+            set_(value)
+            applied[env] = value
         except RuntimeError:
             # TensorFlow's runtime is already running: too late to change; leave it.
             pass

@@ -412,3 +412,42 @@ def test_module_table_check_finds_a_missing_module(tmp_path):
             "| `sub/` | `__init__.py`, `b.py` (the b) |\n\nafter")
     assert modules_missing_from_table(tmp_path, "pkg", text) == ["sub/c.py"]
 
+
+
+# ---- C++: no environment --------------------------------------------------------------------
+
+GETENV = re.compile(r"\b(?:secure_)?getenv\b|\benviron\b")
+
+
+def environment_reads(root, free=FREE):
+    """Every line of a C++ source under `root` (outside the free folders) that reads the environment."""
+    bad = []
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in SOURCES):
+        rel = path.relative_to(root)
+        if rel.parts[0] in free:
+            continue
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if GETENV.search(line):
+                bad.append(f"{rel}:{n}: {line.strip()}")
+    return bad
+
+
+def test_cpp_core_reads_no_environment_variable():
+    """Settings reach the core from Python (fastxfer/settings.py, declared once): _core.configure at
+    import, the engine's job configuration at init(). The C++ tests may set what they like."""
+    bad = environment_reads(CSRC)
+    assert bad == [], "the C++ core must not read the environment (declare the setting in " \
+                      "src/fastxfer/settings.py and pass its value in):\n" + "\n".join(bad)
+
+
+def test_environment_checker_on_a_toy_tree(tmp_path):
+    _write(tmp_path, {
+        "engine/engine.h": 'bool y = std::getenv("FASTXFER_YIELD") != nullptr;\n',
+        "kernels/dispatch.cc": "// a getenvelope is not a call\nextern char** environ;\n",
+        "common/ok.cc": "int x = 1;\n",
+        "tests/test_core.cc": 'setenv("X", "1", 1); getenv("X");\n',
+    })
+    assert environment_reads(tmp_path) == [
+        'engine/engine.h:1: bool y = std::getenv("FASTXFER_YIELD") != nullptr;',
+        "kernels/dispatch.cc:2: extern char** environ;",
+    ]

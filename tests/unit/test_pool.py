@@ -1,4 +1,4 @@
-"""The output pool (csrc/bindings/pool.cc): arrays from _core.pool_empty are ordinary writable numpy
+"""The output pool (csrc/common/output_pool.cc, bound in csrc/bindings/pool.cc): arrays from _core.pool_empty are ordinary writable numpy
 arrays, their memory is reused only once every array and view of it is gone, the cache stays under
 its cap, and it holds up under threads and fork. fx.allreduce without out= takes its results there."""
 
@@ -205,7 +205,7 @@ def test_env_rejects_a_bad_cap(value):
     r = subprocess.run([sys.executable, "-c", "import fastxfer"], env=env, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode != 0
-    assert f"FASTXFER_OUTPUT_POOL_MB={value}" in r.stderr and "MiB" in r.stderr
+    assert f"FASTXFER_OUTPUT_POOL_MB={value!r}: expected a number" in r.stderr and "MiB" in r.stderr
 
 
 def test_allreduce_results_come_from_the_pool(pool):

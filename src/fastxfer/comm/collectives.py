@@ -32,7 +32,7 @@ def _forget() -> None:
         _keepalive.clear()
 
 
-# Results from this size up come from the output pool (csrc/bindings/pool.h): a buffer freed with
+# Results from this size up come from the output pool (csrc/common/output_pool.h): a buffer freed with
 # an earlier result is reused instead of fresh memory, which would be faulted in and zeroed by the
 # kernel on every call (docs/architecture.md, "Fresh outputs"). Below it np.empty_like is as fast.
 _POOL_MIN_BYTES = 64 << 10

@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 from fastxfer import _core, topology
 from fastxfer import _validate as check
+from fastxfer import settings as config
 from fastxfer.comm import rendezvous, segments
 from fastxfer.comm.mpi import MPIInterHost
 from fastxfer.errors import FastxferError
@@ -59,7 +60,7 @@ def host_identity() -> str:
     """Host name plus the kernel's boot id: two containers with the same host name on different
     machines differ, two processes on one machine agree. FASTXFER_HOST_ID overrides it (for
     containers that share a boot id across machines, and for tests that emulate several hosts)."""
-    override = os.environ.get("FASTXFER_HOST_ID")
+    override = config.get("FASTXFER_HOST_ID")
     if override:
         return f"override/{override}"
     try:
@@ -71,6 +72,7 @@ def host_identity() -> str:
 
 
 def _int_env(names: list[str]) -> int | None:
+    """Another launcher's integer variable (OMPI_COMM_WORLD_RANK, ...): the first of `names` set."""
     for n in names:
         v = os.environ.get(n)
         if v is not None and v.strip() != "":
@@ -81,25 +83,12 @@ def _int_env(names: list[str]) -> int | None:
     return None
 
 
-def _float_env_or_off(name: str, default: float) -> float:
-    """A positive number from the environment, `default` when unset, 0.0 for "0" (turned off)."""
-    v = os.environ.get(name, "").strip()
-    if v == "":
-        return default
-    try:
-        if float(v) == 0:
-            return 0.0
-    except ValueError:
-        pass
-    return _float_env(name, default)
-
-
 def host_timeout() -> float:
     """FASTXFER_HOST_TIMEOUT (seconds, default 5): across hosts, every rank exchanges UDP heartbeats
     with its counterparts on the other hosts, and one not heard from for this long is lost: every
     collective waiting on the network raises PeerFailureError naming its host, instead of blocking
     until TCP gives up (minutes). 0 turns heartbeats off (docs/multihost.md, "A link that goes down")."""
-    return _float_env_or_off("FASTXFER_HOST_TIMEOUT", 5.0)
+    return config.get("FASTXFER_HOST_TIMEOUT")
 
 
 def net_chunk_bytes() -> int:
@@ -108,20 +97,7 @@ def net_chunk_bytes() -> int:
     shared-memory stages; 0 turns the overlap off (one network call per half window, on the
     engine thread). Measured on simulated hosts: 20-28% faster where the link is the bottleneck
     (2x2 on a 1 Gbit/s link), the same within noise where the CPU is (docs/algorithms.md)."""
-    return int(_float_env_or_off("FASTXFER_NET_CHUNK_MB", 1) * (1 << 20))
-
-
-def _float_env(name: str, default: float) -> float:
-    v = os.environ.get(name)
-    if v is None or v.strip() == "":
-        return default
-    try:
-        f = float(v)
-    except ValueError:
-        raise FastxferError(f"environment variable {name}={v!r} is not a number") from None
-    if f <= 0:
-        raise FastxferError(f"environment variable {name}={v!r} must be positive")
-    return f
+    return int(config.get("FASTXFER_NET_CHUNK_MB") * (1 << 20))
 
 
 def _mpi_rendezvous(rank: int, size: int, source: str) -> Layout:
@@ -167,9 +143,9 @@ def _launcher_of(job: str) -> int:
 def _elastic_layout() -> Layout:
     """An elastic job's layout: the launcher's rendezvous assigns rank, size and generation; the
     generation picks the segment name (one host)."""
-    job = os.environ.get("FASTXFER_JOB_ID", "")
-    secret = os.environ.get("FASTXFER_JOB_SECRET", "")
-    if not job or len(secret) < 32:
+    job = config.get("FASTXFER_JOB_ID")
+    secret = config.get("FASTXFER_JOB_SECRET")
+    if not job or not secret:
         raise FastxferError("an elastic worker needs FASTXFER_JOB_ID and FASTXFER_JOB_SECRET (set by `fastxfer run "
                             "--min-np`)")
     m = rendezvous.join()
@@ -184,23 +160,20 @@ def detect_layout(generation: int = 0) -> Layout:
 
     ``generation`` counts this process's init()s; under `fastxfer run` it picks the segment name
     (every rank of a host counts the same, so they agree on it without talking)."""
-    env = os.environ
     if rendezvous.is_elastic():
         return _elastic_layout()
-    if "FASTXFER_RANK" in env or "FASTXFER_SIZE" in env:
-        rank, size = _int_env(["FASTXFER_RANK"]), _int_env(["FASTXFER_SIZE"])
-        job = env.get("FASTXFER_JOB_ID", "")
-        secret = env.get("FASTXFER_JOB_SECRET", "")
+    if config.is_set("FASTXFER_RANK") or config.is_set("FASTXFER_SIZE"):
+        rank, size = config.get("FASTXFER_RANK"), config.get("FASTXFER_SIZE")
+        job = config.get("FASTXFER_JOB_ID")
+        secret = config.get("FASTXFER_JOB_SECRET")  # SettingError when too short to be unguessable
         if rank is None or size is None or not job or not secret:
             raise FastxferError("FASTXFER_RANK, FASTXFER_SIZE, FASTXFER_JOB_ID and FASTXFER_JOB_SECRET must all be "
                                 "set (by `fastxfer run`)")
-        if len(secret) < 32:
-            raise FastxferError("FASTXFER_JOB_SECRET is too short to be unguessable (`fastxfer run` sets 64 hex digits)")
         if not 0 <= rank < size:
             raise FastxferError(f"FASTXFER_RANK={rank} is outside 0..{size - 1}")
         launcher = _launcher_of(job)
-        local_rank = _int_env(["FASTXFER_LOCAL_RANK"])
-        local_size = _int_env(["FASTXFER_LOCAL_SIZE"])
+        local_rank = config.get("FASTXFER_LOCAL_RANK")
+        local_size = config.get("FASTXFER_LOCAL_SIZE")
         name = segments.job_segment_name(launcher, job, secret, generation)
         return Layout(rank, size, rank if local_rank is None else local_rank, size if local_size is None else local_size,
                       segments.path(name), "fastxfer run")
@@ -273,7 +246,7 @@ def keep_in_fork_child(engine) -> None:
 def timeline_path(rank: int) -> str:
     """Where this rank writes its timeline: FASTXFER_TIMELINE for rank 0, the same name with the
     rank before the extension for the others (timeline.json -> timeline.1.json); "" when unset."""
-    path = os.environ.get("FASTXFER_TIMELINE", "").strip()
+    path = config.get("FASTXFER_TIMELINE")
     if not path or rank == 0:
         return path
     root, ext = os.path.splitext(path)
@@ -283,16 +256,7 @@ def timeline_path(rank: int) -> str:
 def spin_us() -> float:
     """FASTXFER_SPIN_US: how long a wait for a peer spins before it sleeps (default 50 us,
     chosen by measurement: docs/architecture.md); 0 sleeps at once."""
-    v = os.environ.get("FASTXFER_SPIN_US", "").strip()
-    if not v:
-        return 50.0
-    try:
-        f = float(v)
-    except ValueError:
-        raise FastxferError(f"environment variable FASTXFER_SPIN_US={v!r} is not a number") from None
-    if not 0 <= f <= 1e6:
-        raise FastxferError(f"FASTXFER_SPIN_US={v!r} must be between 0 and 1000000")
-    return f
+    return config.get("FASTXFER_SPIN_US")
 
 
 def mark(name: str) -> None:
@@ -309,12 +273,15 @@ def init(comm=None, process_sets=None, *, timeout: float | None = None, engine_c
     ``process_sets`` (Horovod's): ProcessSet objects (or lists of ranks) to register right away,
     in order, as add_process_set does; ``"dynamic"`` is accepted (sets can always be added later).
     ``comm`` (Horovod's): None or MPI.COMM_WORLD -- fastxfer's job is always every launched rank.
+    Every FASTXFER_* setting that is set is checked first (fastxfer.settings; docs/configuration.md):
+    a bad value is one SettingError naming it.
     ``timeout`` (s, default FASTXFER_TIMEOUT or 300): how long a peer may stay silent before the
     others raise PeerFailureError (a peer that dies is noticed within a fraction of a second).
     ``engine_cpus``: pin the engine thread (default FASTXFER_ENGINE_CPUS, else unpinned).
     ``bucket_cap_mb``: the fusion bucket cap (default FASTXFER_BUCKET_CAP_MB, else 25).
     """
     global _engine, _layout, _generation
+    config.validate_all()
     if comm is not None and not _is_comm_world(comm):
         raise NotImplementedError("init(comm=...): fastxfer's job is every rank the launcher started; pass the "
                                   "subset as a process set instead (init(process_sets=[ProcessSet(ranks)]))")
@@ -332,30 +299,31 @@ def init(comm=None, process_sets=None, *, timeout: float | None = None, engine_c
         generation = _generation
         _generation += 1  # every init() that gets this far, failed ones too: all ranks count alike
         layout = detect_layout(generation)
-        window = int(_float_env("FASTXFER_SHM_WINDOW_MB", 16) * (1 << 20))
-        oob = int(_float_env("FASTXFER_OOB_KB", 1024) * 1024)
-        cap = (check.bucket_cap_bytes(bucket_cap_mb) if bucket_cap_mb is not None
-               else int(_float_env("FASTXFER_BUCKET_CAP_MB", 25) * (1 << 20)))
+        window = int(config.get("FASTXFER_SHM_WINDOW_MB") * (1 << 20))
+        oob = int(config.get("FASTXFER_OOB_KB") * 1024)
+        cap = check.bucket_cap_bytes(config.get("FASTXFER_BUCKET_CAP_MB") if bucket_cap_mb is None else bucket_cap_mb)
         if timeout is None:
-            timeout = _float_env("FASTXFER_TIMEOUT", 300)
-        if timeout <= 0:
+            timeout = config.get("FASTXFER_TIMEOUT")
+        if not timeout > 0:  # NaN too
             raise ValueError(f"timeout must be positive, got {timeout}")
-        threads = int(_float_env("FASTXFER_ENGINE_THREADS", 1))
+        threads = config.get("FASTXFER_ENGINE_THREADS")
         if engine_cpus is None:
-            engine_cpus = os.environ.get("FASTXFER_ENGINE_CPUS", "")
+            engine_cpus = config.get("FASTXFER_ENGINE_CPUS") or []
         cpus = (topology.parse_cpu_list(engine_cpus) if isinstance(engine_cpus, str)
                 else sorted(set(int(c) for c in engine_cpus)))
         allowed = os.sched_getaffinity(0)
         if any(c not in allowed for c in cpus):
             raise ValueError(f"engine_cpus {cpus} are not all in this process's CPU set {sorted(allowed)}")
-        stream_min = int(float(os.environ.get("FASTXFER_STREAM_MIN_MB", "4")) * (1 << 20))
+        stream_min = int(config.get("FASTXFER_STREAM_MIN_MB") * (1 << 20))
+        stall_warning = config.get("FASTXFER_STALL_WARNING_S")
         topology.apply_thread_settings()  # TensorFlow's thread counts from `fastxfer run --bind`, if loaded
         settings = dict(window=window, oob=oob, timeout=float(timeout),
-                        attach_timeout=_float_env("FASTXFER_ATTACH_TIMEOUT", 120), threads=threads, cpus=cpus, cap=cap,
-                        stream_min=max(0, stream_min), spin_us=spin_us(),
-                        stall_warning=_float_env("FASTXFER_STALL_WARNING_S", min(60.0, timeout / 2)),
-                        report_dir=os.environ.get("FASTXFER_REPORT_DIR", ""),
-                        net_chunk=net_chunk_bytes(), host_timeout=host_timeout())
+                        attach_timeout=config.get("FASTXFER_ATTACH_TIMEOUT"), threads=threads, cpus=cpus, cap=cap,
+                        stream_min=stream_min, spin_us=spin_us(),
+                        stall_warning=min(60.0, timeout / 2) if stall_warning is None else stall_warning,
+                        report_dir=config.get("FASTXFER_REPORT_DIR") or "",
+                        net_chunk=net_chunk_bytes(), host_timeout=host_timeout(),
+                        yield_on_wake=config.get("FASTXFER_YIELD"), host_id=config.get("FASTXFER_HOST_ID") or "")
         here = layout.host_of_rank(layout.rank)
         on_host = [r for r in range(layout.size) if layout.host_of_rank(r) == here] if layout.host_of else []
         _engine = make_engine(settings, layout.segment, layout.local_rank, layout.local_size, layout.inter_host,
@@ -392,7 +360,8 @@ def make_engine(settings: dict, segment: str, local_rank: int, local_size: int, 
     return _core.Engine(segment, local_rank, local_size, s["window"], s["oob"], s["timeout"], s["attach_timeout"],
                         s["threads"], s["cpus"], s["cap"], 1024, s["stream_min"], inter_host, timeline, rank,
                         s["spin_us"], s["stall_warning"], s["report_dir"], list(segment_ranks), list(job_ranks),
-                        s.get("net_chunk", 1 << 20), s.get("host_timeout", 0.0))
+                        s.get("net_chunk", 1 << 20), s.get("host_timeout", 0.0), s.get("yield_on_wake", True),
+                        s.get("host_id", ""))
 
 
 def settings() -> dict:

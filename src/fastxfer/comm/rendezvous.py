@@ -34,6 +34,7 @@ import socket
 import threading
 import time
 
+from fastxfer import settings
 from fastxfer.errors import FastxferError, PeerFailureError
 
 SOCKET_ENV = "FASTXFER_ELASTIC_SOCKET"
@@ -56,14 +57,14 @@ def _read_line(sock: socket.socket) -> bytes:
 # -- worker side ------------------------------------------------------------------------------------
 def is_elastic() -> bool:
     """Whether this process was started by an elastic launcher (`fastxfer run --min-np`)."""
-    return bool(os.environ.get(SOCKET_ENV))
+    return settings.is_set(SOCKET_ENV)
 
 
 def _request(op: str, timeout: float | None) -> dict:
-    path = os.environ.get(SOCKET_ENV, "")
-    worker = os.environ.get(WORKER_ENV, "")
-    secret = os.environ.get("FASTXFER_JOB_SECRET", "")
-    if not path or not worker or not secret:
+    path = settings.get(SOCKET_ENV)
+    worker = settings.get(WORKER_ENV)
+    secret = settings.get("FASTXFER_JOB_SECRET")
+    if not path or worker is None or not secret:
         raise FastxferError(f"{SOCKET_ENV}, {WORKER_ENV} and FASTXFER_JOB_SECRET must all be set (by "
                             "`fastxfer run --min-np`)")
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -71,7 +72,7 @@ def _request(op: str, timeout: float | None) -> dict:
         s.settimeout(timeout)
         try:
             s.connect(path)
-            s.sendall(json.dumps({"op": op, "worker": worker, "secret": secret}).encode() + b"\n")
+            s.sendall(json.dumps({"op": op, "worker": str(worker), "secret": secret}).encode() + b"\n")
             line = _read_line(s)
         except socket.timeout:
             raise PeerFailureError(f"the elastic launcher did not answer '{op}' within {timeout:g} s") from None

@@ -22,6 +22,7 @@ import hashlib
 import hmac
 import os
 
+from fastxfer import settings
 from fastxfer.errors import FastxferError
 
 PREFIX = "fastxfer-"
@@ -29,16 +30,9 @@ DEFAULT_DIR = "/dev/shm"
 
 
 def shm_dir() -> str:
-    """FASTXFER_SHM_DIR (an existing directory, absolute path), else /dev/shm."""
-    d = os.environ.get("FASTXFER_SHM_DIR", "").strip()
-    if not d:
-        return DEFAULT_DIR
-    if not os.path.isabs(d):
-        raise FastxferError(f"FASTXFER_SHM_DIR={d!r} must be an absolute path (a directory on a tmpfs, "
-                            "like /dev/shm)")
-    if not os.path.isdir(d):
-        raise FastxferError(f"FASTXFER_SHM_DIR={d!r} is not an existing directory")
-    return os.path.normpath(d)
+    """FASTXFER_SHM_DIR (an existing directory, absolute path), else /dev/shm; SettingError (a
+    FastxferError) for anything else."""
+    return settings.get("FASTXFER_SHM_DIR")
 
 
 def job_segment_name(owner_pid: int, job_id: str, secret: str, generation: int) -> str:

@@ -44,6 +44,7 @@ import warnings
 
 import numpy as np
 
+from fastxfer import settings
 from fastxfer.data.adapters import as_keras, as_tf_dataset
 from fastxfer.data.decoders.native import MAX_PIXELS, NativeDecoder, native_decoder_status
 from fastxfer.data.decoders import IMAGENET_MEAN, IMAGENET_STD
@@ -69,10 +70,8 @@ def _rank_and_size(rank: int | None, size: int | None) -> tuple[int, int]:
 
 
 def _default_threads() -> int:
-    env = os.environ.get("FASTXFER_LOADER_THREADS")
-    if env:
-        return max(1, int(env))
-    return max(1, len(os.sched_getaffinity(0)))
+    n = settings.get("FASTXFER_LOADER_THREADS")
+    return n if n is not None else max(1, len(os.sched_getaffinity(0)))
 
 
 class Loader:

@@ -28,6 +28,7 @@ import shutil
 import signal
 import time
 
+from fastxfer import settings
 from fastxfer.comm import segments
 from fastxfer.comm.rendezvous import SOCKET_ENV, WORKER_ENV, Rendezvous
 from fastxfer.launch import output
@@ -43,7 +44,7 @@ class ElasticJob(Job):
                  placement: list[dict] | None = None, timeout: float | None = None):
         super().__init__(np_, command, grace, placement=placement)
         if timeout is None:  # as long as a silent peer may take before the engine gives up on it
-            timeout = float(os.environ.get("FASTXFER_ELASTIC_TIMEOUT", os.environ.get("FASTXFER_TIMEOUT", 300)))
+            timeout = settings.get("FASTXFER_ELASTIC_TIMEOUT")  # FASTXFER_TIMEOUT when unset
         self.min_np, self.max_np, self.restarts_left = min_np, max_np, max_restarts
         self.rdzv = Rendezvous(self.secret, self.report_dir, min_np, max_np, timeout)
         self.slots: dict[int, int] = {}      # worker -> placement slot

@@ -20,6 +20,7 @@ import argparse
 import os
 import sys
 
+from fastxfer import settings
 from fastxfer.comm import segments
 from fastxfer.errors import FastxferError
 from fastxfer.launch import elastic, local, mpirun, output
@@ -49,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="elastic: at most K workers in a generation (default -np)")
     p.add_argument("--max-restarts", type=int, default=None, metavar="R",
                    help="elastic: start a new worker in a failed one's place, R times in all (default 0)")
-    p.add_argument("--grace", type=float, default=float(os.environ.get("FASTXFER_GRACE", 10)),
+    p.add_argument("--grace", type=float, default=settings.get("FASTXFER_GRACE"),
                    help="seconds the other ranks get to stop by themselves after one fails (default 10)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- the command each worker runs")
 

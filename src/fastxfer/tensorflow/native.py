@@ -27,7 +27,7 @@ import warnings
 
 import tensorflow as tf
 
-from fastxfer import _core
+from fastxfer import _core, settings
 from fastxfer.errors import FastxferError, MismatchError, PeerFailureError
 
 PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_tfops.so")
@@ -43,12 +43,8 @@ _reason: str | None = None
 
 
 def enabled_by_env() -> bool:
-    v = os.environ.get("FASTXFER_TF_NATIVE", "1").strip().lower()
-    if v in ("1", "true", "yes", "on", ""):
-        return True
-    if v in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"FASTXFER_TF_NATIVE must be 1 or 0, not {v!r}")
+    """FASTXFER_TF_NATIVE (fastxfer.settings): False chooses the tf.numpy_function bridge."""
+    return settings.get("FASTXFER_TF_NATIVE")
 
 
 def library():

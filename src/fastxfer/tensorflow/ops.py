@@ -13,7 +13,6 @@ outside the compiled part (backend.py refuses with a clear error).
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 from dataclasses import replace
 
@@ -21,7 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 import fastxfer as fx
-from fastxfer import _validate
+from fastxfer import _validate, settings
 from fastxfer.comm.collectives import check_first_dim
 from fastxfer.comm.options import CollectiveOptions
 from fastxfer.tensorflow import backend
@@ -92,7 +91,7 @@ def held(tensors, order, opts: CollectiveOptions) -> set:
     against the reduction, and holding longer only delays it (ResNet-50 was slower held to whole
     25 MiB buckets): docs/architecture.md, "Grouped submits". A tensor of unknown size ends a run.
     FASTXFER_TF_HOLD=0 holds none (read when the graph is traced)."""
-    if os.environ.get("FASTXFER_TF_HOLD", "1") == "0" or not backend.use_native():
+    if not settings.get("FASTXFER_TF_HOLD") or not backend.use_native():
         return set()
     order = list(order)
     limit = min(opts.bucket_cap or fx.comm.group.settings().get("cap", 25 << 20), HOLD_BYTES)

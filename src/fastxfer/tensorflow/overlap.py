@@ -7,6 +7,8 @@ import os
 
 import tensorflow as tf
 
+from fastxfer import settings
+
 # fastxfer's own submit and wait ops (native, or tf.numpy_function / tf.py_function host callbacks):
 # never given an edge
 _HOST_CALLBACKS = ("PyFunc", "EagerPyFunc", "FastxferSubmit", "FastxferWait", "FastxferWaitGather")
@@ -18,14 +20,10 @@ def pin_enabled() -> bool:
     intra-op threads use, or the engine thread is pinned to cores (FASTXFER_ENGINE_CPUS). With no
     spare core, an overlapped engine only time-slices with the backward pass on the same core and
     pinning costs time (measured: bench/RESULTS.md)."""
-    mode = os.environ.get("FASTXFER_TF_PIN", "auto").strip().lower()
-    if mode in ("1", "true", "yes", "on"):
-        return True
-    if mode in ("0", "false", "no", "off"):
-        return False
+    mode = settings.get("FASTXFER_TF_PIN")
     if mode != "auto":
-        raise ValueError(f"FASTXFER_TF_PIN must be 1, 0 or auto, not {mode!r}")
-    if os.environ.get("FASTXFER_ENGINE_CPUS"):
+        return bool(mode)
+    if settings.get("FASTXFER_ENGINE_CPUS"):
         return True
     cpus = len(os.sched_getaffinity(0))
     intra = tf.config.threading.get_intra_op_parallelism_threads() or cpus

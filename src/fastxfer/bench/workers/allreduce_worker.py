@@ -17,6 +17,7 @@ import time
 import ml_dtypes
 import numpy as np
 
+from fastxfer import settings
 from fastxfer.bench.harness import write_result
 
 IMPLS = ("fastxfer", "gloo", "mpi4py", "horovod", "deepspeed")
@@ -137,7 +138,7 @@ def run_deepspeed(sizes: list[int], scale: float) -> tuple[int, int, list[dict] 
     fall back to torch.distributed's gloo allreduce, which is another row). `row_skips` names the
     rows left out and why: on a CPU without AVX-512BW its float32 kernel runs (AVX2) and its
     bf16 one does not, so only the bf16 row goes."""
-    rank, size = int(os.environ["FASTXFER_RANK"]), int(os.environ["FASTXFER_SIZE"])
+    rank, size = settings.get("FASTXFER_RANK"), settings.get("FASTXFER_SIZE")
     # Each rank on a core of its own, as DeepSpeed is meant to run: its ranks spin on shared flags,
     # and two spinning ranks time-sliced on one core took 7 ms instead of 0.15 ms for 1 MiB here.
     cpus = sorted(os.sched_getaffinity(0))
@@ -243,7 +244,7 @@ def run(impl: str, sizes: list[int], scale: float, out: str, collectives=COLLECT
         import torch
         import torch.distributed as dist
 
-        rank, size = int(os.environ["FASTXFER_RANK"]), int(os.environ["FASTXFER_SIZE"])
+        rank, size = settings.get("FASTXFER_RANK"), settings.get("FASTXFER_SIZE")
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['BENCH_PORT']}", rank=rank,
                                 world_size=size)
 

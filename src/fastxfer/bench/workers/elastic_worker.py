@@ -11,6 +11,8 @@ import json
 import os
 import time
 
+from fastxfer import settings
+
 
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -19,7 +21,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--plain", action="store_true", help="no elastic.run: a plain job (the restart peer)")
     a = p.parse_args()
-    worker = os.environ.get("FASTXFER_WORKER_ID", os.environ.get("FASTXFER_RANK", "0"))
+    worker = settings.get("FASTXFER_WORKER_ID")
+    if worker is None:  # a plain run: the rank
+        worker = settings.get("FASTXFER_RANK") or 0
     log = open(os.path.join(a.out, f"events.{worker}"), "a", buffering=1)
 
     def event(kind, **kw):

@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 import fastxfer as fx
+from fastxfer import settings
 from fastxfer.bench.harness import write_result
 
 WARMUP_STEPS = 3
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.pin_engine:
         # read by fx.init(), so setting it here, before init, is the same as setting it at launch
         cpus = sorted(os.sched_getaffinity(0))
-        os.environ["FASTXFER_ENGINE_CPUS"] = str(cpus[int(os.environ["FASTXFER_RANK"]) % len(cpus)])
+        os.environ["FASTXFER_ENGINE_CPUS"] = str(cpus[settings.get("FASTXFER_RANK") % len(cpus)])
     run(a.steps, a.dim, a.grads, a.grad_mb, a.out)
 
 

@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-from fastxfer import _core
+from fastxfer import _core, settings
 
 MAX_PIXELS = 1 << 28  # 268 M pixels: larger images are rejected (decompression bombs)
 
@@ -16,7 +16,7 @@ MAX_PIXELS = 1 << 28  # 268 M pixels: larger images are rejected (decompression 
 def libjpeg_path() -> str | None:
     """The libjpeg-turbo shared library the native decoder opens: $FASTXFER_LIBJPEG, else the copy
     bundled in Pillow's wheel, else the one the dynamic loader finds; None when there is none."""
-    env = os.environ.get("FASTXFER_LIBJPEG")
+    env = settings.get("FASTXFER_LIBJPEG")
     if env:
         return env
     import glob

@@ -17,7 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-NO_JIT = os.environ.get("FASTXFER_NO_JIT", "") not in ("", "0")
+from fastxfer import settings
+
+NO_JIT = settings.get("FASTXFER_NO_JIT")
 
 if NO_JIT:
     def njit(*args, **kwargs):

@@ -3,7 +3,8 @@
 // page faults (and the kernel's zeroing) of fresh memory on every call. docs/architecture.md
 // (§ Fresh outputs) has the measurements behind this choice.
 //
-// Plain C++ (no pybind11), so that other native callers can take their output buffers here too.
+// Plain C++ (no pybind11), so that other native callers can take their output buffers here too;
+// bindings/pool.cc binds it for Python.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -38,12 +39,10 @@ struct PoolStats {
 };
 PoolStats pool_stats();
 
-// Sets the cap (bytes; 0 disables caching: every release unmaps) and evicts down to it.
+// Sets the cap (bytes; 0 disables caching: every release unmaps) and evicts down to it. The default
+// is 256 MiB; fastxfer/__init__.py passes FASTXFER_OUTPUT_POOL_MB here at import (_core.configure).
 void pool_set_cap(size_t bytes);
 // Unmaps every cached buffer (live ones are untouched).
 void pool_trim();
-// FASTXFER_OUTPUT_POOL_MB=<MiB> (a number >= 0) sets the cap; unset keeps the default, 256 MiB.
-// Called when the module is imported; a bad value throws std::invalid_argument (the import fails).
-void init_pool_from_env();
 
 }  // namespace fastxfer
