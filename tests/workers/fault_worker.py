@@ -74,8 +74,7 @@ def dropped_handles():
     for i in range(50):
         fx.allreduce_async(np.ones(1 << 16, np.float32), name=f"ar{i}")  # dropped at once
         # an allgather in flight whose handle nobody keeps (1 MiB result per rank pair)
-        fx.comm.collectives._submit("allgather", f"ag{i}", np.ones(1 << 17, np.float32), None,
-                                    shape=(1 << 17,), dtype=np.dtype(np.float32))
+        fx.comm.collectives.submit(fx.comm.options.gather("allgather", name=f"ag{i}"), np.ones(1 << 17, np.float32))
     fx.barrier()  # every request before it has finished
     gc.collect()
     print(f"TRACKED rank {RANK}: before={base} after={eng.tracked}")
