@@ -75,7 +75,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "fastxfer run") -> int:
     argv = sys.argv[1:] if argv is None else argv
     from fastxfer import settings
 
@@ -84,6 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     except settings.SettingError as e:
         print(f"fastxfer: {e}", file=sys.stderr)
         return 2
+    if argv[:1] == ["run"]:  # its own parser: a bad flag shows `fastxfer run`'s usage, not the top level's
+        from fastxfer.launch import horovod_flags
+        from fastxfer.launch import main as launch
+
+        args = launch.parser(prog).parse_args(horovod_flags.join_mpi_args(argv[1:]))
+        return args.func(args)
     args = build_parser(argv).parse_args(argv)
     return args.func(args)
 

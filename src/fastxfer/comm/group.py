@@ -1,16 +1,11 @@
 """Joining the job: who am I, how many are we, who shares my host — and the engine behind it.
 
-The layout comes from whichever launcher started the process:
-
-==================  ==============================================================
-``fastxfer run``    FASTXFER_RANK, FASTXFER_SIZE, FASTXFER_LOCAL_RANK, FASTXFER_JOB_ID, FASTXFER_JOB_SECRET
-``... --min-np M``  FASTXFER_ELASTIC_SOCKET: rank and size from the launcher's rendezvous, per
-                    generation (comm/rendezvous.py, docs/elastic.md)
-Open MPI mpirun     OMPI_COMM_WORLD_RANK / _SIZE (rendezvous through mpi4py)
-MPICH / PMI         PMI_RANK / PMI_SIZE (rendezvous through mpi4py)
-horovodrun (MPI)    HOROVOD_RANK / HOROVOD_SIZE (rendezvous through mpi4py)
-nothing             a single process: rank 0 of 1
-==================  ==============================================================
+The layout comes from whichever launcher started the process: ``fastxfer run`` (FASTXFER_RANK,
+FASTXFER_SIZE, FASTXFER_LOCAL_RANK, FASTXFER_JOB_ID, FASTXFER_JOB_SECRET; an elastic job's rank and
+size from the launcher's rendezvous, comm/rendezvous.py), else any launcher of the table in
+comm/launchers.py (mpirun, mpiexec, srun, torchrun, TF_CONFIG, horovodrun...), else none: a single
+process. A launcher that announces several processes never leaves one alone: the job forms, or
+init() raises an error naming the launcher and the fix.
 
 Ranks that share a host are found by host identity (host name + kernel boot id), exchanged over
 MPI, never by trusting a LOCAL_SIZE variable. Every init() gets a fresh shared-memory segment name
@@ -21,17 +16,20 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import logging
 import os
 import secrets
 import socket
 import sys
 import threading
+import warnings
 from collections.abc import Callable
 
 from fastxfer import _core, topology
 from fastxfer import _validate as check
 from fastxfer import settings as config
-from fastxfer.comm import rendezvous, segments
+from fastxfer.settings import horovod as horovod_settings
+from fastxfer.comm import host_rendezvous, launchers, rendezvous, segments
 from fastxfer.comm.mpi import MPIInterHost
 from fastxfer.errors import FastxferError
 
@@ -71,18 +69,6 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def _int_env(names: list[str]) -> int | None:
-    """Another launcher's integer variable (OMPI_COMM_WORLD_RANK, ...): the first of `names` set."""
-    for n in names:
-        v = os.environ.get(n)
-        if v is not None and v.strip() != "":
-            try:
-                return int(v)
-            except ValueError:
-                raise FastxferError(f"environment variable {n}={v!r} is not an integer") from None
-    return None
-
-
 def host_timeout() -> float:
     """FASTXFER_HOST_TIMEOUT (seconds, default 5): across hosts, every rank exchanges UDP heartbeats
     with its counterparts on the other hosts, and one not heard from for this long is lost: every
@@ -100,15 +86,18 @@ def net_chunk_bytes() -> int:
     return int(config.get("FASTXFER_NET_CHUNK_MB") * (1 << 20))
 
 
-def _mpi_rendezvous(rank: int, size: int, source: str) -> Layout:
+def _mpi_rendezvous(rank: int, size: int | None, source: str) -> Layout:
+    """The job through mpi4py's COMM_WORLD (the launcher wired MPI); `size` None: MPI's own."""
     try:
         from mpi4py import MPI
     except ImportError:
         raise FastxferError(
-            f"this process was started by {source} as rank {rank} of {size}, and finding the other ranks "
+            f"this process was started by {source} as rank {rank} of {size or 'several'}, and finding the other ranks "
             "then needs mpi4py: pip install 'fastxfer[mpi]' (or start the job with `fastxfer run -np N`)"
         ) from None
     comm = MPI.COMM_WORLD
+    if size is None:
+        size = comm.Get_size()
     if comm.Get_size() != size or comm.Get_rank() != rank:
         raise FastxferError(f"{source} says rank {rank} of {size} but MPI says rank {comm.Get_rank()} of "
                             f"{comm.Get_size()}")
@@ -177,18 +166,30 @@ def detect_layout(generation: int = 0) -> Layout:
         name = segments.job_segment_name(launcher, job, secret, generation)
         return Layout(rank, size, rank if local_rank is None else local_rank, size if local_size is None else local_size,
                       segments.path(name), "fastxfer run")
-    for source, rank_vars, size_vars in (
-        ("Open MPI", ["OMPI_COMM_WORLD_RANK"], ["OMPI_COMM_WORLD_SIZE"]),
-        ("horovodrun", ["HOROVOD_RANK"], ["HOROVOD_SIZE"]),
-        ("MPICH/PMI", ["PMI_RANK", "PMIX_RANK"], ["PMI_SIZE"]),
-    ):
-        rank, size = _int_env(rank_vars), _int_env(size_vars)
-        if rank is not None and size is not None:
-            if size == 1:
-                break
-            return _mpi_rendezvous(rank, size, source)
+    announced = launchers.detect()
+    if announced is not None and announced.size != 1:
+        return _launcher_layout(announced, generation)
+    source = "single process" if announced is None else f"{announced.launcher}, 1 rank"
     return Layout(0, 1, 0, 1, segments.path(segments.random_segment_name(os.getpid(), secrets.token_hex(16))),
-                  "single process")
+                  source)
+
+
+def _launcher_layout(a: launchers.Announcement, generation: int) -> Layout:
+    """The job another launcher announced (comm/launchers.py): through MPI where the launcher wired it
+    and the job needs it, else the ranks of this host meet without MPI (comm/host_rendezvous.py).
+    Never a process alone: a job that cannot form is an error naming the launcher and the fix."""
+    if a.mpi and not (a.launcher.startswith("Slurm") and a.one_host):
+        return _mpi_rendezvous(a.rank, a.size or None, a.launcher)
+    if not a.one_host:
+        hosts = f" over {a.nodes} hosts" if a.nodes else " over several hosts"
+        raise FastxferError(
+            f"{a.describe()}{hosts}. fastxfer joins hosts through MPI, which {a.launcher} does not wire, so this "
+            f"job cannot form (and no rank trains alone). Launch it with one of: {launchers.MPI_LINES}")
+    met = host_rendezvous.meet(launcher=a.launcher, key=a.key, generation=generation, rank=a.rank, size=a.size,
+                               host=host_identity(), timeout=config.get("FASTXFER_ATTACH_TIMEOUT"))
+    name = segments.random_segment_name(int(met["creator"]), str(met["token"]))
+    # one host: the job's ranks are the host's, in the same order (collectives order by them)
+    return Layout(a.rank, a.size, a.rank, a.size, segments.path(name), a.launcher)
 
 
 _lock = threading.RLock()
@@ -282,6 +283,8 @@ def init(comm=None, process_sets=None, *, timeout: float | None = None, engine_c
     """
     global _engine, _layout, _generation
     config.validate_all()
+    _apply_log_level()
+    _warn_horovod_variables()
     if comm is not None and not _is_comm_world(comm):
         raise NotImplementedError("init(comm=...): fastxfer's job is every rank the launcher started; pass the "
                                   "subset as a process set instead (init(process_sets=[ProcessSet(ranks)]))")
@@ -330,11 +333,43 @@ def init(comm=None, process_sets=None, *, timeout: float | None = None, engine_c
                               timeline_path(layout.rank), layout.rank, on_host)
         _engine.make_current()  # what the native TensorFlow ops submit to (engine/c_api.h)
         _layout = layout
+        log.info("rank %d of %d (local rank %d of %d, %d host(s)), started by %s", layout.rank, layout.size,
+                 layout.local_rank, layout.local_size, layout.hosts, layout.source)
         _settings.clear()
         _settings.update(settings)
     if isinstance(process_sets, list) and process_sets:
         for callback in list(_after_init):
             callback(process_sets)
+
+
+log = logging.getLogger("fastxfer")
+_warned_horovod = False
+
+
+def _apply_log_level() -> None:
+    """FASTXFER_LOG_LEVEL (or HOROVOD_LOG_LEVEL) on the `fastxfer` logger, with a handler on stderr
+    when the application configured none."""
+    if not config.is_set("FASTXFER_LOG_LEVEL"):
+        return
+    log.setLevel(config.get("FASTXFER_LOG_LEVEL").upper())
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("fastxfer %(levelname)s: %(message)s"))
+        log.addHandler(handler)
+
+
+def _warn_horovod_variables() -> None:
+    """One warning naming every HOROVOD_* variable that is set and changes nothing here (once per process)."""
+    global _warned_horovod
+    lines = horovod_settings.no_effect()
+    if lines and not _warned_horovod:
+        _warned_horovod = True
+        warnings.warn("Horovod settings that change nothing in fastxfer (docs/configuration.md):\n  " +
+                      "\n  ".join(lines), HorovodSettingWarning, stacklevel=3)
+
+
+class HorovodSettingWarning(UserWarning):
+    """A HOROVOD_* variable is set that has no meaning in fastxfer (named with the reason)."""
 
 
 def init_args() -> dict:

@@ -41,8 +41,8 @@ class ElasticJob(Job):
     worker w's output is prefixed with [w]."""
 
     def __init__(self, np_: int, command: list[str], grace: float, min_np: int, max_np: int, max_restarts: int,
-                 placement: list[dict] | None = None, timeout: float | None = None):
-        super().__init__(np_, command, grace, placement=placement)
+                 placement: list[dict] | None = None, timeout: float | None = None, output_dir: str | None = None):
+        super().__init__(np_, command, grace, placement=placement, output_dir=output_dir)
         if timeout is None:  # as long as a silent peer may take before the engine gives up on it
             timeout = settings.get("FASTXFER_ELASTIC_TIMEOUT")  # FASTXFER_TIMEOUT when unset
         self.min_np, self.max_np, self.restarts_left = min_np, max_np, max_restarts
@@ -67,6 +67,9 @@ class ElasticJob(Job):
         })
         for k in ("FASTXFER_RANK", "FASTXFER_SIZE", "FASTXFER_LOCAL_RANK", "FASTXFER_LOCAL_SIZE"):
             env.pop(k, None)  # the rendezvous assigns them, generation by generation
+        for k in ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK",
+                  "HOROVOD_CROSS_SIZE"):
+            env.pop(k, None)  # so do these (hvd.rank() after init() is the truth in an elastic job)
         return env
 
     def start(self) -> None:
@@ -224,7 +227,8 @@ class ElasticJob(Job):
 
 
 def run(np_: int, command: list[str], grace: float, min_np: int, max_np: int, max_restarts: int,
-        placement: list[dict] | None = None) -> int:
+        placement: list[dict] | None = None, output_dir: str | None = None) -> int:
     """Runs `command` as an elastic job of N workers (min_np..max_np, max_restarts restarts in all);
     returns the job's exit code."""
-    return ElasticJob(np_, command, grace, min_np, max_np, max_restarts, placement=placement).run()
+    return ElasticJob(np_, command, grace, min_np, max_np, max_restarts, placement=placement,
+                      output_dir=output_dir).run()

@@ -56,6 +56,12 @@ def die_with_parent(parent_pid: int):
     return preexec
 
 
+def horovod_place(rank: int, size: int) -> dict[str, str]:
+    """The variables horovodrun gives a worker of a one-host job, for scripts that read them before init()."""
+    return {"HOROVOD_RANK": str(rank), "HOROVOD_SIZE": str(size), "HOROVOD_LOCAL_RANK": str(rank),
+            "HOROVOD_LOCAL_SIZE": str(size), "HOROVOD_CROSS_RANK": "0", "HOROVOD_CROSS_SIZE": "1"}
+
+
 class Stopper:
     """How a launcher stops its workers: once told to (``stop_at``: when a failure's grace runs out)
     or sent a stop signal, SIGTERM to every worker, then SIGKILL after KILL_AFTER_S, at once after
@@ -98,8 +104,9 @@ class Job:
     ``wait`` (when the job ends and its exit code); ``run()`` starts the job and waits for it."""
 
     def __init__(self, np_: int, command: list[str], grace: float, extra_env: dict[str, str] | None = None,
-                 placement: list[dict] | None = None):
+                 placement: list[dict] | None = None, output_dir: str | None = None):
         self.np = np_
+        self.output_dir = output_dir  # horovodrun's --output-filename: each rank's output also in DIR/rank.R/
         self.command = command
         self.placement = placement  # per-rank plan from fastxfer.topology, or None (no binding)
         self.grace = grace
@@ -173,8 +180,9 @@ class Job:
         waiter = threading.Thread(target=self._wait_one, args=(r, p), daemon=True)
         waiter.start()
         prefix = f"[{r:>{width}}] ".encode()
-        for stream, out in ((p.stdout, sys.stdout.buffer), (p.stderr, sys.stderr.buffer)):
-            t = threading.Thread(target=output.pump, args=(stream, out, prefix, self.lock), daemon=True)
+        for stream, out, name in ((p.stdout, sys.stdout.buffer, "stdout"), (p.stderr, sys.stderr.buffer, "stderr")):
+            copy = output.rank_file(self.output_dir, r, name) if self.output_dir else None
+            t = threading.Thread(target=output.pump, args=(stream, out, prefix, self.lock, copy), daemon=True)
             t.start()
             self.pumps.append(t)
         return p

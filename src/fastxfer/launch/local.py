@@ -9,7 +9,7 @@ import time
 
 from fastxfer.comm import segments
 from fastxfer.launch import output
-from fastxfer.launch.job import STOP_SIGNALS, Job, Stopper
+from fastxfer.launch.job import STOP_SIGNALS, Job, Stopper, horovod_place
 from fastxfer.launch.output import describe_exit, say
 
 
@@ -28,6 +28,7 @@ class LocalJob(Job):
             "FASTXFER_JOB_SECRET": self.secret,
             "PYTHONUNBUFFERED": "1",
         })
+        env.update(horovod_place(slot, self.np))
         return env
 
     def first_failure(self) -> tuple[int, int] | None:
@@ -77,6 +78,8 @@ class LocalJob(Job):
         return output.exit_code(code)
 
 
-def run(np_: int, command: list[str], grace: float, placement: list[dict] | None = None) -> int:
-    """Runs `command` as N local ranks (bound per `placement` when given); returns the job's exit code."""
-    return LocalJob(np_, command, grace, placement=placement).run()
+def run(np_: int, command: list[str], grace: float, placement: list[dict] | None = None,
+        output_dir: str | None = None) -> int:
+    """Runs `command` as N local ranks (bound per `placement` when given; each rank's output also
+    in `output_dir`/rank.R/ when given); returns the job's exit code."""
+    return LocalJob(np_, command, grace, placement=placement, output_dir=output_dir).run()

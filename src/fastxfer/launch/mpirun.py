@@ -20,12 +20,16 @@ from fastxfer.launch.job import STOP_SIGNALS, die_with_parent
 from fastxfer.launch.output import describe_exit, exit_code, say
 
 
-def run(np_: int, command: list[str], hosts: str, agent: str | None, net: str | None) -> int:
+def run(np_: int, command: list[str], hosts: str, agent: str | None, net: str | None, extra: list[str] = (),
+        output_dir: str | None = None) -> int:
     """Runs `command` as N ranks on `hosts` ("h1:n,h2:n") through mpirun, its daemons started with
     `agent` (ssh-compatible) when given, MPI's traffic kept on subnet `net` when given; returns the
-    job's exit code."""
+    job's exit code. `extra`: more mpirun arguments (horovodrun's --mpi-args, -p, --network-interface);
+    `output_dir`: mpirun also writes each rank's output there (--output-filename). Each rank is
+    started through launch/rank_env.py, which gives it horovodrun's HOROVOD_* place variables."""
     slots = parse_hosts(hosts)
-    cmd = mpirun_command(np_, slots, command)  # no mpirun, or too few slots: before anything is said
+    extra = list(extra) + (["--output-filename", output_dir] if output_dir else [])
+    cmd = mpirun_command(np_, slots, [sys.executable, "-m", "fastxfer.launch.rank_env", "--", *command], extra=extra)  # no mpirun, or too few slots: before anything is said
     env = mpi_environment(np_, slots, agent, net)
     return run_mpirun(cmd, env)
 
@@ -51,7 +55,7 @@ def parse_hosts(text: str) -> list[tuple[str, int]]:
 
 
 def mpirun_command(np_: int, hosts: list[tuple[str, int]], command: list[str],
-                   env: dict[str, str] | None = None) -> list[str]:
+                   env: dict[str, str] | None = None, extra: list[str] = ()) -> list[str]:
     """mpirun's command line; every FASTXFER_* setting of `env` (default: this process's) goes to
     the ranks on every host (`-x`), as they go to the ranks `fastxfer run` starts on one host."""
     mpirun = shutil.which("mpirun") or shutil.which("mpiexec")
@@ -63,7 +67,7 @@ def mpirun_command(np_: int, hosts: list[tuple[str, int]], command: list[str],
     host_arg = ",".join(f"{h}:{n}" for h, n in hosts)
     forward = [x for name in sorted(os.environ if env is None else env) if name.startswith("FASTXFER_")
                for x in ("-x", name)]
-    return [mpirun, "-np", str(np_), "--host", host_arg, "-x", "PYTHONUNBUFFERED=1", *forward] + command
+    return [mpirun, "-np", str(np_), "--host", host_arg, "-x", "PYTHONUNBUFFERED=1", *forward, *extra] + command
 
 
 def mpi_environment(np_: int, hosts: list[tuple[str, int]], agent: str | None, net: str | None,

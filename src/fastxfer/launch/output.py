@@ -46,11 +46,21 @@ def exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def pump(stream, out, prefix: bytes, lock: threading.Lock) -> None:
+def rank_file(directory: str, rank: int, name: str):
+    """DIR/rank.R/NAME opened for appending (horovodrun's --output-filename layout)."""
+    folder = os.path.join(directory, f"rank.{rank}")
+    os.makedirs(folder, exist_ok=True)
+    return open(os.path.join(folder, name), "ab")
+
+
+def pump(stream, out, prefix: bytes, lock: threading.Lock, copy=None) -> None:
     """Copies a worker's pipe to `out` line by line, each line with `prefix` ("[3] ") in front;
-    `lock` keeps lines of different workers whole."""
+    `lock` keeps lines of different workers whole; `copy`, a file, gets each line as it is."""
     broken = False
     for line in iter(stream.readline, b""):
+        if copy is not None:
+            copy.write(line)
+            copy.flush()
         if broken:
             continue  # keep draining, so a worker never blocks on a full pipe
         with lock:
@@ -60,6 +70,8 @@ def pump(stream, out, prefix: bytes, lock: threading.Lock) -> None:
             except OSError:  # the terminal went away (EIO after SIGHUP) or the reader closed the pipe
                 broken = True
     stream.close()
+    if copy is not None:
+        copy.close()
 
 
 def describe_all(procs, noun: str, skip: int | None = None) -> list[str]:

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 
 from fastxfer._validate import BUCKET_CAP_MB_RANGE
 from fastxfer.errors import FastxferError
+from fastxfer.settings import horovod
 
 USER = "user"
 LAUNCHER = "launcher"  # `fastxfer run` sets it for its workers
@@ -235,6 +236,10 @@ _TABLE: tuple[Setting, ...] = (
     Setting("FASTXFER_TIMELINE", "text", "",
             "write a Chrome-trace timeline of every tensor to this file; rank r > 0 writes NAME.r.EXT beside it", "/",
             check=_file_path, accepted_text="a file path (not a directory)", default_text="no timeline"),
+    Setting("FASTXFER_TIMELINE_MARK_CYCLES", "bool", False,
+            "mark every negotiation round of the engine on the timeline (horovodrun --timeline-mark-cycles)", "maybe"),
+    Setting("FASTXFER_LOG_LEVEL", "choice", "warning", "the level of the `fastxfer` Python logger", "loud",
+            choices=("debug", "info", "warning", "error", "critical")),
     Setting("FASTXFER_SHM_DIR", "text", "/dev/shm", "the directory of the shared-memory segments, on a tmpfs",
             "shm", check=_existing_directory, accepted_text="the absolute path of an existing directory"),
     # -- several hosts --
@@ -320,6 +325,17 @@ def get(name: str, environ: Mapping[str, str] | None = None):
     env = os.environ if environ is None else environ
     raw = env.get(name)
     if raw is None or raw.strip() == "":
+        try:
+            alias = horovod.alias_value(name, env)
+        except ValueError as e:  # the Horovod variable's own value is refused
+            raise SettingError(f"{e}={env.get(str(e))!r} (Horovod's, for {name}): expected {s.accepted()} "
+                               f"({s.meaning})") from None
+        if alias is not None:
+            try:
+                return s.parse(alias[1])
+            except SettingError:
+                raise SettingError(f"{alias[0]}={env.get(alias[0])!r} (Horovod's, for {name}): expected "
+                                   f"{s.accepted()} ({s.meaning})") from None
         return get(s.default_from, env) if s.default_from else s.default
     return s.parse(raw)
 
@@ -327,8 +343,14 @@ def get(name: str, environ: Mapping[str, str] | None = None):
 def is_set(name: str, environ: Mapping[str, str] | None = None) -> bool:
     """Whether ``name`` is set to something other than blanks (a blank value means the default)."""
     declaration(name)
-    raw = (os.environ if environ is None else environ).get(name)
-    return raw is not None and raw.strip() != ""
+    env = os.environ if environ is None else environ
+    raw = env.get(name)
+    if raw is not None and raw.strip() != "":
+        return True
+    try:
+        return horovod.alias_value(name, env) is not None  # set through its Horovod name
+    except ValueError:
+        return True  # set, to a bad value: get() says so
 
 
 def validate_all(environ: Mapping[str, str] | None = None) -> dict:
@@ -375,4 +397,13 @@ def markdown() -> str:
             if s.set_by == who:
                 lines.append(f"| `{s.name}` | {cell(s.accepted())} | {cell(s.default_in_words())} | {cell(s.meaning)} |")
         lines.append("")
+    lines += ["## Horovod's variables", "",
+              "A Horovod variable that stands for a setting is honoured when that setting itself is unset; one",
+              "that changes nothing here is named, with the reason, in one warning at `init()`. The variables",
+              "horovodrun sets to say where a worker sits (`HOROVOD_RANK`, `_SIZE`, `_LOCAL_RANK`, ...) are read",
+              "by the launcher table (docs/launchers.md).", "",
+              "| variable | here |", "|---|---|"]
+    for v in horovod.TABLE:
+        lines.append(f"| `{v.name}` | {cell(v.meaning)}{f' (`{v.setting}`)' if v.setting else ''} |")
+    lines.append("")
     return "\n".join(lines)
