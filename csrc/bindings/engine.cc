@@ -46,7 +46,8 @@ void bind_engine(py::module_& m) {
                        const std::string& timeline_path, int timeline_rank, double spin_us,
                        double stall_warning_s, const std::string& report_dir, std::vector<int> segment_ranks,
                        std::vector<int> job_ranks, size_t net_chunk_bytes, double host_timeout_s,
-                       bool yield_on_wake, const std::string& host_id) {
+                       bool yield_on_wake, const std::string& host_id, double clock_offset_us,
+                       bool timeline_mark_cycles) {
              JobConfig job;
              job.shm.name = name;
              job.shm.rank = rank;
@@ -72,6 +73,8 @@ void bind_engine(py::module_& m) {
              job.engine.cpus = std::move(cpus);
              job.engine.timeline_path = timeline_path;
              job.engine.timeline_rank = timeline_rank;
+             job.engine.clock_offset_us = clock_offset_us;
+             job.engine.timeline_mark_cycles = timeline_mark_cycles;
              std::shared_ptr<InterHost> inter;
              if (!inter_host.is_none()) inter = make_py_inter_host(inter_host);
              py::gil_scoped_release nogil;  // waits for the other ranks to attach
@@ -84,7 +87,8 @@ void bind_engine(py::module_& m) {
            py::arg("spin_us") = 50.0, py::arg("stall_warning_s") = 60.0, py::arg("report_dir") = "",
            py::arg("segment_ranks") = std::vector<int>{}, py::arg("job_ranks") = std::vector<int>{},
            py::arg("net_chunk_bytes") = static_cast<size_t>(1u << 20), py::arg("host_timeout_s") = 0.0,
-           py::arg("yield_on_wake") = true, py::arg("host_id") = "")
+           py::arg("yield_on_wake") = true, py::arg("host_id") = "", py::arg("clock_offset_us") = 0.0,
+           py::arg("timeline_mark_cycles") = false)
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("size", &Engine::size)
       .def_property_readonly("oob_capacity", &Engine::oob_capacity)
@@ -164,6 +168,9 @@ void bind_engine(py::module_& m) {
       .def("stats", &Engine::stats)
       .def("mark", &Engine::mark, py::arg("name"), "A step mark on the timeline (FASTXFER_TIMELINE); no-op without one.")
       .def_property_readonly("timeline_enabled", &Engine::timeline_enabled)
+      .def("start_timeline", &Engine::start_timeline, py::arg("path"), py::arg("mark_cycles") = false,
+           "This rank's part of the job's timeline, written to `path` from now on (fastxfer.comm.timeline).")
+      .def("stop_timeline", &Engine::stop_timeline, "Closes this rank's part of the timeline (idempotent).")
       .def(
           "make_current", [](std::shared_ptr<Engine> eng) { set_current_engine(std::move(eng)); },
           "Make this the engine that the TensorFlow op library (the C interface) submits to.")

@@ -165,8 +165,10 @@ void Engine::run_batch(const std::vector<Request*>& batch, const std::vector<std
 
 void Engine::trace(const Request& r, double t0, double t1, const std::string& bucket) {
   const int lane = timeline_.lane(std::string(r.rec.name, strnlen(r.rec.name, sizeof r.rec.name)));
-  timeline_.span(lane, "tensor", "queued", r.t_submit, r.t_agreed);
-  if (t0 > r.t_agreed) timeline_.span(lane, "tensor", "wait", r.t_agreed, t0);
+  // a request submitted or agreed before the timeline started has no times of its own
+  const double agreed = r.t_agreed > 0 ? r.t_agreed : t0;
+  if (r.t_submit > 0) timeline_.span(lane, "tensor", "queued", r.t_submit, agreed);
+  if (t0 > agreed) timeline_.span(lane, "tensor", "wait", agreed, t0);
   timeline_.span(lane, "tensor", kind_name(r.kind), t0, t1,
                  "\"bucket\": \"" + bucket + "\", \"elements\": " + std::to_string(r.numel) + ", \"dtype\": \"" +
                      dtype_name(r.dtype) + "\"");

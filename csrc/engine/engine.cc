@@ -34,7 +34,7 @@
 namespace fastxfer {
 
 Engine::Engine(std::unique_ptr<Collectives> comm, const EngineConfig& cfg)
-    : comm_(std::move(comm)), cfg_(cfg), timeline_(cfg.timeline_path, cfg.timeline_rank), owner_pid_(getpid()) {
+    : comm_(std::move(comm)), cfg_(cfg), timeline_(cfg.timeline_path, cfg.timeline_rank, cfg.clock_offset_us, cfg.timeline_mark_cycles), owner_pid_(getpid()) {
   thread_ = std::thread([this] { loop(); });
   pthread_setname_np(thread_.native_handle(), "fastxfer-engine");  // visible in top -H, gdb, /proc
   if (!cfg_.cpus.empty()) {
@@ -335,6 +335,7 @@ bool Engine::run_round() {
   }
   if (recs.empty()) return false;
   const double t_round = tl ? timeline_.now() : 0;
+  if (tl) timeline_.cycle();
   auto all = comm_->exchange_records(recs);
   ++rounds_run_;
   const int n = static_cast<int>(all.size());

@@ -30,6 +30,8 @@ struct EngineConfig {
   std::vector<int> cpus;        // pin the engine thread to these CPUs (empty: no pinning)
   std::string timeline_path;    // FASTXFER_TIMELINE (empty: no timeline)
   int timeline_rank = 0;        // the rank the timeline names (its Chrome-trace pid)
+  double clock_offset_us = 0;   // this rank's steady clock to rank 0's (timeline.h)
+  bool timeline_mark_cycles = false;
   std::vector<int> rank_names;  // the job rank of each of the engine's ranks, for messages (empty: the
                                 // same numbers; a process set's differ)
   bool yield_on_wake = true;    // a submit that wakes the sleeping engine thread yields the core to it
@@ -131,6 +133,9 @@ class Engine {
   // A step mark on the timeline (no-op without one).
   void mark(const std::string& name) { timeline_.mark(name); }
   bool timeline_enabled() const { return timeline_.enabled(); }
+  // hvd.start_timeline / stop_timeline: this rank's part of the job's timeline (fastxfer.comm.timeline).
+  void start_timeline(const std::string& path, bool mark_cycles) { timeline_.start(path, mark_cycles); }
+  void stop_timeline() { timeline_.close(); }
 
  private:
   struct Status {

@@ -17,24 +17,45 @@ constexpr size_t kFlushBytes = 1 << 20;
 
 }  // namespace
 
-Timeline::Timeline(const std::string& path, int rank) : rank_(rank), start_(steady_us()) {
-  if (path.empty()) return;
+Timeline::Timeline(const std::string& path, int rank, double offset_us, bool mark_cycles)
+    : rank_(rank), offset_(offset_us) {
+  if (!path.empty()) start(path, mark_cycles);
+}
+
+void Timeline::start(const std::string& path, bool mark_cycles) {
+  close();
+  std::lock_guard<std::mutex> lk(mu_);
   file_ = std::fopen(path.c_str(), "w");
-  if (file_ == nullptr)
-    throw std::runtime_error("cannot write the timeline FASTXFER_TIMELINE=" + path + ": " + std::strerror(errno));
+  if (file_ == nullptr) throw std::runtime_error("cannot write the timeline " + path + ": " + std::strerror(errno));
+  lanes_.clear();
   buf_ = "[\n";
   buf_ += "{\"ph\": \"M\", \"name\": \"process_name\", \"pid\": " + std::to_string(rank_) +
           ", \"args\": {\"name\": \"rank " + std::to_string(rank_) + "\"}}";
+  buf_ += ",\n{\"ph\": \"M\", \"name\": \"process_sort_index\", \"pid\": " + std::to_string(rank_) +
+          ", \"args\": {\"sort_index\": " + std::to_string(rank_) + "}}";
   buf_ += ",\n{\"ph\": \"M\", \"name\": \"thread_name\", \"pid\": " + std::to_string(rank_) +
           ", \"tid\": 0, \"args\": {\"name\": \"engine\"}}";
   buf_ += ",\n{\"ph\": \"M\", \"name\": \"thread_sort_index\", \"pid\": " + std::to_string(rank_) +
           ", \"tid\": 0, \"args\": {\"sort_index\": -1}}";
+  mark_cycles_ = mark_cycles;
   on_ = true;
+}
+
+void Timeline::cycle() {
+  if (!enabled() || !mark_cycles_.load(std::memory_order_relaxed)) return;
+  char head[128];
+  std::snprintf(head, sizeof head, ",\n{\"ph\": \"i\", \"s\": \"t\", \"pid\": %d, \"tid\": 0, \"ts\": %.3f, ", rank_,
+                now());
+  std::lock_guard<std::mutex> lk(mu_);
+  if (file_ == nullptr) return;
+  buf_ += head;
+  buf_ += "\"cat\": \"cycle\", \"name\": \"CYCLE_START\"}";
+  if (buf_.size() >= kFlushBytes) flush_locked();
 }
 
 Timeline::~Timeline() { close(); }
 
-double Timeline::now() const { return steady_us() - start_; }
+double Timeline::now() const { return steady_us() + offset_; }
 
 std::string Timeline::escape(const std::string& s) {
   std::string o;
@@ -84,6 +105,7 @@ void Timeline::span(int lane, const char* cat, const std::string& name, double t
   std::snprintf(head, sizeof head, ",\n{\"ph\": \"X\", \"pid\": %d, \"tid\": %d, \"ts\": %.3f, \"dur\": %.3f, \"cat\": \"",
                 rank_, lane, t0, t1 > t0 ? t1 - t0 : 0.0);
   std::lock_guard<std::mutex> lk(mu_);
+  if (file_ == nullptr) return;
   buf_ += head;
   buf_ += cat;
   buf_ += "\", \"name\": \"" + escape(name) + "\"";
@@ -99,6 +121,7 @@ void Timeline::mark(const std::string& name) {
   std::snprintf(head, sizeof head, ",\n{\"ph\": \"i\", \"s\": \"p\", \"pid\": %d, \"tid\": 0, \"ts\": %.3f, ", rank_,
                 now());
   std::lock_guard<std::mutex> lk(mu_);
+  if (file_ == nullptr) return;
   buf_ += head;
   buf_ += "\"cat\": \"step\", \"name\": \"" + escape(name) + "\"}";
   if (buf_.size() >= kFlushBytes) flush_locked();

@@ -1,7 +1,13 @@
 // The engine's timeline (FASTXFER_TIMELINE=path): a Chrome-trace file (chrome://tracing,
 // ui.perfetto.dev) of where every collective spent its time, in the spirit of HOROVOD_TIMELINE.
 //
-// One process per rank (pid = rank). Lane 0 is the engine thread: negotiation rounds, buckets
+// One process per rank (pid = rank). Timestamps are CLOCK_MONOTONIC microseconds plus the rank's
+// offset to rank 0's clock (zero on one host, where every process reads the same clock; measured
+// over MPI at init across hosts), so the ranks' traces line up; fastxfer.comm.timeline gathers them
+// into the job's one file, the times shifted to start at zero. start()/stop() turn it on and off at
+// run time (hvd.start_timeline/stop_timeline); mark_cycles adds an instant event at every
+// negotiation round (HOROVOD_TIMELINE_MARK_CYCLES).
+// Lane 0 is the engine thread: negotiation rounds, buckets
 // (tensors, bytes, wire format) and the time it sat idle waiting for work. Every tensor name
 // gets a lane of its own: "queued" (submitted -> every rank agreed to run it), "wait" (agreed ->
 // its bucket starts), "reduce" (its bucket, start to end). Step marks (fastxfer.keras marks
@@ -23,8 +29,12 @@ namespace fastxfer {
 
 class Timeline {
  public:
-  // An empty path disables the timeline: every call below then returns at once.
-  Timeline(const std::string& path, int rank);
+  // An empty path: off until start(). Every call below returns at once while it is off.
+  Timeline(const std::string& path, int rank, double offset_us = 0, bool mark_cycles = false);
+  // Starts writing to `path` (truncated); throws when it cannot be opened. Stops a running one first.
+  void start(const std::string& path, bool mark_cycles);
+  // A negotiation round (only with mark_cycles).
+  void cycle();
   ~Timeline();
   Timeline(const Timeline&) = delete;
   Timeline& operator=(const Timeline&) = delete;
@@ -38,7 +48,7 @@ class Timeline {
   void span(int lane, const char* cat, const std::string& name, double t0, double t1, const std::string& args = "");
   // A process-wide instant event (a step mark).
   void mark(const std::string& name);
-  // Writes what is buffered and closes the JSON array (idempotent).
+  // Writes what is buffered and closes the JSON array (idempotent): stop().
   void close();
 
   static constexpr int kEngineLane = 0;
@@ -51,7 +61,8 @@ class Timeline {
   std::FILE* file_ = nullptr;
   std::atomic<bool> on_{false};
   int rank_ = 0;
-  double start_ = 0;
+  double offset_ = 0;
+  std::atomic<bool> mark_cycles_{false};
   std::mutex mu_;
   std::string buf_;
   size_t events_ = 0;

@@ -169,7 +169,7 @@ class Engine:
                  timeline_rank: int = 0, spin_us: float = 50.0, stall_warning_s: float = 60.0,
                  report_dir: str = "", segment_ranks: Sequence[int] = (), job_ranks: Sequence[int] = (),
                  net_chunk_bytes: int = 1 << 20, host_timeout_s: float = 0.0, yield_on_wake: bool = True,
-                 host_id: str = "") -> None:
+                 host_id: str = "", clock_offset_us: float = 0.0, timeline_mark_cycles: bool = False) -> None:
         """Create or attach this host's segment ``name`` and start the engine thread; waits for the other local
         ranks. ``inter_host``: an object with the InterHost methods (fastxfer.comm.mpi.MPIInterHost) for jobs
         that span several hosts. ``stall_warning_s``: a wait this long warns once, naming the rank that stalls;
@@ -177,8 +177,9 @@ class Engine:
         ``job_ranks``: the job rank of each rank of the segment / the engine, for messages; ``net_chunk_bytes``,
         ``host_timeout_s``: several hosts (FASTXFER_NET_CHUNK_MB, FASTXFER_HOST_TIMEOUT); ``yield_on_wake``: a
         submit that wakes the sleeping engine thread yields the core (FASTXFER_YIELD); ``host_id``: this host's
-        id when hosts are emulated on one machine (FASTXFER_HOST_ID). Every value comes from fastxfer.settings:
-        the core reads no environment variable."""
+        id when hosts are emulated on one machine (FASTXFER_HOST_ID); ``clock_offset_us``: this rank's
+        steady clock to rank 0's, for the timeline; ``timeline_mark_cycles``: an event at every negotiation
+        round. Every value comes from fastxfer.settings: the core reads no environment variable."""
     @property
     def rank(self) -> int:
         """This process's rank in the engine's group."""
@@ -191,6 +192,13 @@ class Engine:
     @property
     def running(self) -> bool:
         """Whether the engine thread is still serving requests."""
+    @property
+    def timeline_enabled(self) -> bool:
+        """Whether this rank records its part of the timeline now."""
+    def start_timeline(self, path: str, mark_cycles: bool = False) -> None:
+        """This rank's part of the job's timeline, written to ``path`` from now on (fastxfer.comm.timeline)."""
+    def stop_timeline(self) -> None:
+        """Closes this rank's part of the timeline (idempotent)."""
     def submit(self, kind: str, name: str, input: np.ndarray | None, output: np.ndarray | None, op: str = "sum",
                compression: str = "none", root: int = 0, prescale: float = 1.0, postscale: float = 1.0,
                bucket_cap: int = 0, defer: bool = False, splits: list[int] = ...) -> int:

@@ -8,6 +8,7 @@ from fastxfer.comm.group import (Layout, engine_stats, hosts, init, is_initializ
                                  rank, shutdown, size)
 from fastxfer.comm.process_sets import ProcessSet, global_process_set
 from fastxfer.comm.set_registration import add_process_set, remove_process_set
+from fastxfer.comm import timeline  # noqa: E402,F401 - registers the timeline's start at init and merge at shutdown
 
 __all__ = [
     "Handle",

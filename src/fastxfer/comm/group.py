@@ -22,6 +22,7 @@ import secrets
 import socket
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable
 
@@ -49,6 +50,7 @@ class Layout:
     host_of: tuple[int, ...] = ()  # each rank's host index (hosts in order of their lowest rank)
     mpi_comm: object = None  # COMM_WORLD when the layout came from an MPI rendezvous
     generation: int = 0  # elastic jobs: which generation of the group this is (comm/rendezvous.py)
+    clock_offset_us: float = 0.0  # rank 0's steady clock minus this rank's (0 on one host; the timeline)
 
     def host_of_rank(self, r: int) -> int:
         return self.host_of[r] if self.host_of else 0
@@ -118,8 +120,29 @@ def _mpi_rendezvous(rank: int, size: int | None, source: str) -> Layout:
     if len(order) > 1:
         inter = MPIInterHost(comm, mine.index(rank), host_index)
     name = segments.random_segment_name(creator_pid, token, f"-h{host_index}")
+    offset = clock_offset(comm, rank, size) if len(order) > 1 else 0.0
     return Layout(rank, size, mine.index(rank), len(mine), segments.path(name), source, len(order), inter,
-                  tuple(order.index(h) for h in hosts), comm)
+                  tuple(order.index(h) for h in hosts), comm, clock_offset_us=offset)
+
+
+def clock_offset(comm, rank: int, size: int, rounds: int = 8) -> float:
+    """Rank 0's steady clock minus this rank's, in microseconds, from `rounds` ping-pongs with rank 0
+    over MPI (the one with the shortest round trip counts): the timeline's common clock across hosts."""
+    if rank == 0:
+        for r in range(1, size):
+            for _ in range(rounds):
+                comm.recv(source=r, tag=0x7F1)
+                comm.send(time.monotonic_ns() / 1e3, dest=r, tag=0x7F2)
+        return 0.0
+    best = None
+    for _ in range(rounds):
+        t1 = time.monotonic_ns() / 1e3
+        comm.send(None, dest=0, tag=0x7F1)
+        t0 = comm.recv(source=0, tag=0x7F2)
+        t2 = time.monotonic_ns() / 1e3
+        if best is None or t2 - t1 < best[0]:
+            best = (t2 - t1, t0 - (t1 + t2) / 2)
+    return best[1]
 
 
 def _launcher_of(job: str) -> int:
@@ -199,6 +222,7 @@ _generation = 0  # init()s so far in this process: picks the next segment name (
 _shutdown_hooks: list[Callable[[], None]] = []
 _before_shutdown: list[Callable[[], None]] = []
 _after_init: list[Callable[[list], None]] = []  # init(process_sets=...): comm/set_registration.py
+_engine_started: list[Callable[[], None]] = []  # right after init() started the engine (comm/timeline.py)
 _at_exit: list[Callable[[], None]] = []  # before the exit-time shutdown (comm/process_sets.py)
 _init_args: dict = {}  # the last init()'s keyword arguments: an elastic reset joins again with them
 _settings: dict = {}  # init()'s engine settings, for the engines of process sets (comm/process_sets.py)
@@ -212,6 +236,12 @@ def on_shutdown(callback: Callable[[], None]) -> Callable[[], None]:
     group itself knows nothing of them. Returns ``callback`` (usable as a decorator)."""
     with _lock:
         _shutdown_hooks.append(callback)
+    return callback
+
+
+def on_engine_started(callback: Callable[[], None]) -> Callable[[], None]:
+    """Registers `callback` to run on every rank right after init() started the engine."""
+    _engine_started.append(callback)
     return callback
 
 
@@ -245,8 +275,9 @@ def keep_in_fork_child(engine) -> None:
 
 
 def timeline_path(rank: int) -> str:
-    """Where this rank writes its timeline: FASTXFER_TIMELINE for rank 0, the same name with the
-    rank before the extension for the others (timeline.json -> timeline.1.json); "" when unset."""
+    """Where a process set's engine writes this rank's own timeline (comm/set_registration.py): beside
+    FASTXFER_TIMELINE, the rank before the extension (timeline.json -> timeline.1.json); "" when
+    unset. The job's own timeline is one file (comm/timeline.py)."""
     path = config.get("FASTXFER_TIMELINE")
     if not path or rank == 0:
         return path
@@ -329,12 +360,15 @@ def init(comm=None, process_sets=None, *, timeout: float | None = None, engine_c
                         yield_on_wake=config.get("FASTXFER_YIELD"), host_id=config.get("FASTXFER_HOST_ID") or "")
         here = layout.host_of_rank(layout.rank)
         on_host = [r for r in range(layout.size) if layout.host_of_rank(r) == here] if layout.host_of else []
+        settings["clock_offset_us"] = layout.clock_offset_us
         _engine = make_engine(settings, layout.segment, layout.local_rank, layout.local_size, layout.inter_host,
-                              timeline_path(layout.rank), layout.rank, on_host)
+                              "", layout.rank, on_host)
         _engine.make_current()  # what the native TensorFlow ops submit to (engine/c_api.h)
         _layout = layout
         log.info("rank %d of %d (local rank %d of %d, %d host(s)), started by %s", layout.rank, layout.size,
                  layout.local_rank, layout.local_size, layout.hosts, layout.source)
+        for callback in list(_engine_started):
+            callback()  # the timeline (comm/timeline.py), when FASTXFER_TIMELINE names one
         _settings.clear()
         _settings.update(settings)
     if isinstance(process_sets, list) and process_sets:
@@ -396,7 +430,7 @@ def make_engine(settings: dict, segment: str, local_rank: int, local_size: int, 
                         s["threads"], s["cpus"], s["cap"], 1024, s["stream_min"], inter_host, timeline, rank,
                         s["spin_us"], s["stall_warning"], s["report_dir"], list(segment_ranks), list(job_ranks),
                         s.get("net_chunk", 1 << 20), s.get("host_timeout", 0.0), s.get("yield_on_wake", True),
-                        s.get("host_id", ""))
+                        s.get("host_id", ""), s.get("clock_offset_us", 0.0))
 
 
 def settings() -> dict:

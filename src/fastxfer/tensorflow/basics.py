@@ -13,8 +13,8 @@
 - ``gloo_built/enabled``, ``ddl_built``, ``ccl_built``, ``cuda_built``, ``rocm_built``,
   ``sycl_built``: False, fastxfer has none of these backends; ``nccl_built()``: 0 (Horovod returns
   the NCCL version, 0 without NCCL).
-- ``start_timeline`` / ``stop_timeline``: NotImplementedError -- the timeline is chosen at
-  ``init()`` with ``FASTXFER_TIMELINE``.
+- ``start_timeline`` / ``stop_timeline``: the job's timeline at run time, one Chrome trace with a
+  row per rank on a common clock (fastxfer.comm.timeline); every rank calls them.
 
 Process sets (``ProcessSet``, ``global_process_set``, ``add_process_set``, ``remove_process_set``)
 are fastxfer.comm.process_sets': each registered set runs its own engine among its ranks.
@@ -30,7 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 import fastxfer as fx
-from fastxfer.comm import group, process_sets
+from fastxfer.comm import group, process_sets, timeline
 from fastxfer.comm.process_sets import ProcessSet, global_process_set
 from fastxfer.comm.set_registration import add_process_set, remove_process_set
 
@@ -163,17 +163,16 @@ def sycl_built() -> bool:
 
 
 def start_timeline(file_path, mark_cycles=False):
-    """Not available at run time: fastxfer writes a timeline for the whole job when FASTXFER_TIMELINE
-    is set before init() (docs/keras.md, "Timeline")."""
-    raise NotImplementedError("start_timeline: fastxfer's timeline is chosen when the job starts: set "
-                              "FASTXFER_TIMELINE=/path/timeline.json before hvd.init() (rank r writes "
-                              "/path/timeline.r.json); it records from init() to shutdown()")
+    """Starts recording the job's timeline into ``file_path``: one Chrome-trace file (Perfetto,
+    chrome://tracing) with a row per rank on a common clock, written by rank 0 at stop_timeline() or
+    shutdown. ``mark_cycles``: an event at every negotiation round. Every rank calls it (as every
+    rank runs the script); ValueError while one is already recording."""
+    timeline.start(file_path, mark_cycles)
 
 
 def stop_timeline():
-    """Not available at run time (see start_timeline)."""
-    raise NotImplementedError("stop_timeline: fastxfer's timeline (FASTXFER_TIMELINE, set before hvd.init()) "
-                              "records from init() to shutdown() and cannot be stopped early")
+    """Stops the timeline; rank 0 writes the file. Every rank calls it (a collective)."""
+    timeline.stop()
 
 
 def _by_id(process_set_id):
