@@ -94,5 +94,11 @@ def main(argv: list[str] | None = None, prog: str = "fastxfer run") -> int:
     return args.func(args)
 
 
+def horovodrun(argv: list[str] | None = None) -> int:
+    """The ``horovodrun`` command: ``fastxfer run`` under Horovod's name, so job scripts and schedulers'
+    templates that call horovodrun run unchanged (docs/launchers.md)."""
+    return main(["run", *(sys.argv[1:] if argv is None else argv)], prog="horovodrun")
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

@@ -5,8 +5,10 @@ hand (numpy, float64) and that what must be identical on every rank is bit-ident
 Usage: hvd_parity_worker.py MODE[,MODE...] [DIR]; with TF_USE_LEGACY_KERAS=1 the Keras modes run
 on tf-keras models."""
 
+import json
 import os
 import sys
+import tempfile
 import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -309,8 +311,21 @@ def queries():
         for f in (m.gloo_built, m.gloo_enabled, m.ddl_built, m.ccl_built, m.cuda_built, m.rocm_built, m.sycl_built):
             expect(f() is False, f.__name__)
         expect(m.nccl_built() == 0, "nccl_built")
-        expect_raises(NotImplementedError, lambda: m.start_timeline("/tmp/t.json"), "FASTXFER_TIMELINE")
-        expect_raises(NotImplementedError, m.stop_timeline, "FASTXFER_TIMELINE")
+        # the job's timeline at run time: one file from rank 0 with every rank's row (the path is
+        # rank 0's; the launcher's pid in it keeps concurrent test jobs apart)
+        path = os.path.join(tempfile.gettempdir(), f"fastxfer-hvd-timeline-{os.getppid()}-{m.__name__}.json")
+        m.start_timeline(path, mark_cycles=True)
+        expect_raises(ValueError, lambda: m.start_timeline(path), "already being recorded")
+        m.allreduce(tf.ones([4]), name=f"timeline.{m.__name__}")
+        m.stop_timeline()
+        m.stop_timeline()  # a second stop does nothing
+        if r == 0:
+            with open(path) as f:
+                events = json.load(f)
+            os.unlink(path)
+            expect({e["pid"] for e in events} == set(range(n)), "a row per rank in the one file")
+            expect(any(e.get("name") == "CYCLE_START" for e in events), "mark_cycles marks the rounds")
+            expect(sum(e.get("name") == "allreduce" for e in events) == n, "the allreduce on every rank's row")
         expect(m.global_process_set.size() == n and m.global_process_set.ranks == list(range(n)), "global set")
         expect_raises(ValueError, lambda: m.add_process_set([0, n]), f"not ranks of this job (0..{n - 1})")
     print(f"OK queries rank {r}", flush=True)

@@ -18,11 +18,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step", type=int, default=-1, help="which marked step (default: the middle one)")
     p.add_argument("--png", help="write the picture here (needs matplotlib)")
     p.add_argument("--title", default="", help="the picture's title")
+    p.add_argument("--rank", type=int, default=0, help="whose row of the job's timeline (default 0)")
 
 
-def load(path: str) -> list[dict]:
+def load(path: str, rank: int = 0) -> list[dict]:
+    """The events of `rank`'s row of a job's timeline (one file, a row per rank: comm/timeline.py)."""
     with open(path) as f:
-        return json.load(f)
+        events = json.load(f)
+    mine = [e for e in events if e.get("pid", rank) == rank]
+    if events and not mine:
+        raise SystemExit(f"the timeline has no row for rank {rank} (ranks {sorted({e.get('pid') for e in events})})")
+    return mine
 
 
 def step_window(events: list[dict], step: int) -> tuple[int, float, float]:
@@ -96,7 +102,7 @@ def draw(events: list[dict], t0: float, t1: float, png: str, title: str) -> None
 
 
 def main(args: argparse.Namespace) -> int:
-    events = load(args.path)
+    events = load(args.path, args.rank)
     step, t0, t1 = step_window(events, args.step)
     s = summarize(events, t0, t1)
     print(f"step {step}: {s['step_ms']:.1f} ms; {s['tensors']} tensors in {s['buckets']} buckets; engine busy in "

@@ -1,4 +1,4 @@
-"""horovodrun's command line on ``fastxfer run`` (and the ``horovodrun`` command, launch/horovodrun.py).
+"""horovodrun's command line on ``fastxfer run`` (and the ``horovodrun`` command, cli.horovodrun).
 
 Every horovodrun flag is accepted: one that has a meaning here is honoured (most become a
 FASTXFER_* setting the workers inherit, docs/configuration.md), one that has none is accepted with
@@ -188,7 +188,7 @@ def apply(args: argparse.Namespace) -> tuple[dict[str, str], list[str]]:
         args.max_np = _discovered_slots(args.host_discovery_script, args.max_np)
     for flag, (_, why) in NO_MEANING.items():
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
-        if value not in (None, False):
+        if value is not None and value is not False:
             notes.append(f"{flag}: accepted, no effect: {why}")
     return env, notes
 

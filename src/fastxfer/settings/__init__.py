@@ -234,7 +234,7 @@ _TABLE: tuple[Setting, ...] = (
     Setting("FASTXFER_YIELD", "bool", True, "a submit that wakes the sleeping engine thread yields the core to it",
             "maybe"),
     Setting("FASTXFER_TIMELINE", "text", "",
-            "write a Chrome-trace timeline of every tensor to this file; rank r > 0 writes NAME.r.EXT beside it", "/",
+            "record the job's timeline from init(): one Chrome trace of every tensor, a row per rank, written to this file by rank 0 at shutdown", "/",
             check=_file_path, accepted_text="a file path (not a directory)", default_text="no timeline"),
     Setting("FASTXFER_TIMELINE_MARK_CYCLES", "bool", False,
             "mark every negotiation round of the engine on the timeline (horovodrun --timeline-mark-cycles)", "maybe"),
