@@ -371,26 +371,55 @@ bool Engine::run_round() {
     timeline_.span(Timeline::kEngineLane, "engine", "negotiate", t_round, t,
                    "\"offered\": " + std::to_string(recs.size()) + ", \"agreed\": " + std::to_string(agreed));
   }
+  // A collective the ranks disagree on fails alone, as in Horovod: every rank sees the same
+  // records, so every rank finds the same first disagreement; the agreed requests before it run,
+  // it fails with MismatchError on each rank that submitted it, and the engine goes on.
+  size_t bad = agreed;
+  std::string bad_msg;
   if (!active.empty()) {
     const int ref = active[0];
-    for (size_t i = 0; i < agreed; ++i) {
+    for (size_t i = 0; i < agreed && bad == agreed; ++i) {
       for (int j : active) {
         if (j == ref) continue;
         std::string diff = compare_records(all[ref][i], job_rank(ref), all[j][i], job_rank(j));
-        if (!diff.empty())
+        // Different names: the ranks issue different sequences of collectives (one has more, or
+        // another order). Matched by position, nothing after this lines up again: the group is
+        // poisoned, every rank fails, as before.
+        if (!diff.empty() && std::strncmp(all[ref][i].name, all[j][i].name, sizeof all[ref][i].name) != 0)
           throw Mismatch("collective #" + std::to_string(executed_ + i + 1) + ": " + diff +
                          ". Every rank must issue the same collectives, with the same names, shapes, "
                          "dtypes and options, in the same order.");
+        if (!diff.empty()) {
+          bad = i;
+          bad_msg = "collective #" + std::to_string(executed_ + i + 1) + ": " + diff +
+                    ". Every rank must issue the same collectives, with the same names, shapes, "
+                    "dtypes and options, in the same order.";
+          break;
+        }
       }
-      if (active.size() < all.size() && static_cast<CollectiveKind>(all[ref][i].kind) != CollectiveKind::kAllreduce) {
+      if (bad == agreed && active.size() < all.size() &&
+          static_cast<CollectiveKind>(all[ref][i].kind) != CollectiveKind::kAllreduce) {
         std::string who;
         for (int j = 0; j < n; ++j)
           if (joined(j)) who += (who.empty() ? "" : ", ") + std::to_string(job_rank(j));
-        throw Mismatch("collective #" + std::to_string(executed_ + i + 1) + ": rank " + std::to_string(job_rank(ref)) +
-                       " submitted " + describe(all[ref][i]) + " but rank(s) " + who +
-                       " have joined: while some ranks have joined, the others may only run allreduces");
+        bad = i;
+        bad_msg = "collective #" + std::to_string(executed_ + i + 1) + ": rank " + std::to_string(job_rank(ref)) +
+                  " submitted " + describe(all[ref][i]) + " but rank(s) " + who +
+                  " have joined: while some ranks have joined, the others may only run allreduces";
       }
     }
+  }
+  const bool failing = bad < agreed;
+  agreed = bad;
+  // the disagreement, once the requests agreed before it have run (a joined rank has no part in it)
+  auto fail_bad = [&] {
+    if (!failing) return;
+    if (!joined(comm_->rank())) fail_front(ErrorKind::kMismatch, bad_msg);
+    ++executed_;
+  };
+  if (agreed == 0) {
+    fail_bad();
+    return false;
   }
   if (agreed == 0) return false;
   const bool me_joined = joined(comm_->rank()) && !active.empty();
@@ -422,7 +451,35 @@ bool Engine::run_round() {
   const bool last = batch.back()->kind == CollectiveKind::kShutdown;
   run_batch(batch, all);
   executed_ += agreed;
+  fail_bad();
   return last;
+}
+
+void Engine::fail_front(ErrorKind kind, const std::string& msg) {
+  std::unique_ptr<Request> r;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (queue_.empty()) return;
+    r = std::move(queue_.front());
+    queue_.pop_front();
+    held_ = std::min(held_, queue_.size());
+    if (r->on_done) {
+      status_.erase(r->id);
+    } else {
+      auto it = status_.find(r->id);
+      if (it != status_.end() && it->second.detached) {
+        status_.erase(it);  // nobody waits for it
+      } else if (it != status_.end()) {
+        it->second.finished = true;
+        it->second.error = kind;
+        it->second.message = msg;
+        finished_.push_back(r->id);
+        active_[r->id] = std::move(r);  // its buffers stay the caller's until release()
+      }
+      done_cv_.notify_all();
+    }
+  }
+  if (r && r->on_done) r->on_done(*r, kind, msg);
 }
 
 void Engine::fail_from(ErrorKind kind, const std::string& msg) {

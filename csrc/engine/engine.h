@@ -150,6 +150,7 @@ class Engine {
   void loop();
   bool run_round();
   void fail_from(ErrorKind kind, const std::string& msg);  // fail everything and tell the peers
+  void fail_front(ErrorKind kind, const std::string& msg);  // fail the queue's first request alone
   void fail_from_current();  // fail_from() for the exception being handled (call in a catch block)
   void finish(Request* r);
   void fail_all(ErrorKind kind, const std::string& msg);

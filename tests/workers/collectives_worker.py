@@ -277,9 +277,12 @@ def mismatch(kind):
             raise SystemExit(f"unknown mismatch kind {kind}")
     except fx.MismatchError as e:
         print(f"MISMATCH rank {r}: {e}")
-        # the group is unusable afterwards, and says so
+        # the collective failed alone, as in Horovod: the next one works (the out-of-band lane's
+        # disagreement still poisons the group: docs/algorithms.md)
+        n = fx.size()
         try:
-            fx.allreduce(x)
+            got = fx.allreduce(np.full(4, r + 1.0, np.float32), op="sum", name="after")
+            print(f"{'RECOVERED' if got.tolist() == [n * (n + 1) / 2] * 4 else 'WRONG ' + str(got)} rank {r}")
         except fx.MismatchError:
             print(f"STILL-MISMATCH rank {r}")
         sys.exit(3)

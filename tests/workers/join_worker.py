@@ -29,17 +29,21 @@ def uneven():
 
 
 def broadcast_while_joined():
+    """Rank 0 joins; rank 1's broadcast fails alone (as in Horovod, only allreduces run while a rank
+    has joined), then rank 1 joins too, the join completes, and the job goes on."""
     fx.init()
     r = fx.rank()
-    try:
-        if r == 0:
-            fx.join()
-        else:
+    if r == 0:
+        last = fx.join()
+    else:
+        try:
             fx.broadcast(np.ones(3, np.float32), root=1, name="late")
-        print(f"NO ERROR rank {r}")
-    except fx.MismatchError as e:
-        print(f"MISMATCH rank {r}: {e}")
-        sys.exit(3)
+            print(f"NO ERROR rank {r}")
+        except fx.MismatchError as e:
+            print(f"MISMATCH rank {r}: {e}")
+        last = fx.join()
+    after = fx.allreduce(np.full(2, r + 1.0, np.float32), op="sum", name="after").tolist()
+    print(f"JOINED rank {r} last={last} after={after}", flush=True)
 
 
 if __name__ == "__main__":
