@@ -30,7 +30,7 @@ import tensorflow as tf
 
 import fastxfer as fx
 from fastxfer.comm import options
-from fastxfer.tensorflow import ops
+from fastxfer.tensorflow import gradients, ops
 from fastxfer.tensorflow.basics import global_process_set
 from fastxfer.tensorflow.compression import Compression
 
@@ -97,7 +97,7 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
     opts = allreduce_options(op, average, compression, prescale_factor, postscale_factor, process_set, name)
     if isinstance(tensor, tf.IndexedSlices):
         return _sparse(tensor, opts, name)
-    return ops.allreduce(tf.convert_to_tensor(tensor), opts)
+    return gradients.allreduce(tf.convert_to_tensor(tensor), opts)
 
 
 @_no_autograph
@@ -124,8 +124,8 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
     out = [None] * n
     dense = [i for i in order if not isinstance(tensors[i], tf.IndexedSlices)]
     if dense:
-        red = ops.grouped_allreduce([tensors[i] for i in dense], opts,
-                                    None if names is None else [names[i] for i in dense])
+        red = gradients.grouped_allreduce([tf.convert_to_tensor(tensors[i]) for i in dense], opts,
+                                          None if names is None else [names[i] for i in dense])
         for i, r in zip(dense, red):
             out[i] = r
     for i in order:
@@ -137,21 +137,21 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
 @_no_autograph
 def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
     """Concatenation of every rank's tensor along the first dimension (which may differ between ranks)."""
-    return ops.allgather(tensor, options.gather("allgather", process_set, name))
+    return gradients.allgather(tensor, options.gather("allgather", process_set, name))
 
 
 @_no_autograph
 def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=global_process_set):
     """allgather of each tensor of a list."""
     opts = options.gather("allgather", process_set, name)
-    return [ops.allgather(t, opts if name is None else replace(opts, name=f"{name}.{i}"))
+    return [gradients.allgather(t, opts if name is None else replace(opts, name=f"{name}.{i}"))
             for i, t in enumerate(tensors)]
 
 
 @_no_autograph
 def broadcast(tensor, root_rank=0, name=None, ignore_name_scope=False, process_set=global_process_set):
     """Every rank gets root_rank's tensor (in a process set: a rank of the job in that set)."""
-    return ops.broadcast(tensor, options.broadcast(root_rank, process_set, name))
+    return gradients.broadcast(tensor, options.broadcast(root_rank, process_set, name))
 
 
 @_no_autograph
