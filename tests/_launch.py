@@ -130,6 +130,29 @@ def ok_lines(output, tag):
     return found
 
 
+def script_output(r, name, np_=2):
+    """The stdout lines of script `name` in a job of tests/workers/run_scripts.py (each rank's lines
+    between its `BEGIN <name>` and `END <name>`, prefixes kept), as a CompletedProcess with the job's
+    exit code; fails (with the job's output tail) unless the job exited 0 and every rank ran it to the end."""
+    begun, ended, section = {}, set(), []
+    for line in r.stdout.splitlines():
+        m = _PREFIX.match(line)
+        if not m:
+            continue
+        rank, body = int(m.group(1)), line[m.end():]
+        if body == f"BEGIN {name}":
+            begun[rank] = True
+        elif body == f"END {name}" and begun.get(rank):
+            begun[rank] = False
+            ended.add(rank)
+        elif begun.get(rank):
+            section.append(line)
+    assert r.returncode == 0 and sorted(ended) == list(range(np_)), \
+        f"{name}: exit code {r.returncode}, ran to the end on ranks {sorted(ended)} of 0..{np_ - 1}\n" \
+        f"{_tail(r.stdout, r.stderr)}"
+    return subprocess.CompletedProcess(r.args, r.returncode, "\n".join(section) + "\n", r.stderr)
+
+
 def _tail(out, err, n=4000):
     return f"--- stdout (tail) ---\n{(out or '')[-n:]}\n--- stderr (tail) ---\n{(err or '')[-n:]}"
 
