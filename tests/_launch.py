@@ -27,6 +27,18 @@ SMALL_BUFFERS = {
 KERAS_FIT_MODES = "graph,eager,jit,accum,bf16comm,mixed_bfloat16,mixed_float16"
 LEGACY_FIT_MODES = "graph,eager,bf16comm,accum,mixed_float16"
 
+# the 2-rank Keras 3 scripts that share one job (conftest.py: keras3_scripts_job), in this order: the
+# Horovod-style example, Horovod's Keras synthetic benchmark, the Horovod collectives front ends and,
+# last (it raises many errors, each in a process set of its own), the mismatch cases (native ops)
+KERAS3_SCRIPTS = {  # name: (script in the checkout, its arguments; "{dir}" is the script's directory)
+    "keras_horovod_style": ("examples/keras_horovod_style.py",
+                            ["--epochs", "2", "--checkpoint-dir", "{dir}/checkpoints"]),
+    "tensorflow2_keras_synthetic_benchmark": (
+        "tests/workers/horovod_examples/tensorflow2_keras_synthetic_benchmark.py", ["--no-cuda", "--fp16-allreduce"]),
+    "hvd_collectives": ("tests/workers/hvd_collectives_worker.py", []),
+    "hvd_mismatch": ("tests/workers/hvd_mismatch_worker.py", []),
+}
+
 
 def fastxfer_cmd():
     exe = shutil.which("fastxfer")
@@ -128,6 +140,16 @@ def ok_lines(output, tag):
             r = m or _RANK.search(body)
             found.append((int(r.group(1)) if r else None, line))
     return found
+
+
+def launch_scripts(np_, scripts, *, env=None, timeout=TIMEOUT):
+    """One job of tests/workers/run_scripts.py: `scripts`, a list of (name, cwd, script, args), run one
+    after the other in each rank's one process (TensorFlow starts once); see `script_output`."""
+    argv = []
+    for name, cwd, script, args in scripts:
+        program = script if os.path.isabs(script) else os.path.join(WORKERS, script)
+        argv += ["::", name, str(cwd), program, *map(str, args)]
+    return launch(np_, "run_scripts.py", *argv[1:], env=env, timeout=timeout)
 
 
 def script_output(r, name, np_=2):

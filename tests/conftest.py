@@ -121,3 +121,27 @@ def legacy_keras_job():
 
     return launch(2, "keras_worker.py", "seq", f"fit={LEGACY_FIT_MODES}", "syncbn",
                   env={"TF_CPP_MIN_LOG_LEVEL": "3", "TF_USE_LEGACY_KERAS": "1"}, timeout=900)
+
+
+# The 2-rank Keras 3 scripts that need no job of their own (_launch.KERAS3_SCRIPTS) run one after the
+# other in one job of tests/workers/run_scripts.py, each in a directory of its own.
+
+
+@pytest.fixture(scope="session")
+def keras3_scripts_job(tmp_path_factory):
+    """(CompletedProcess, directory) of the job running KERAS3_SCRIPTS, each script in <directory>/<name>;
+    tests read their script's output with _launch.script_output."""
+    pytest.importorskip("tensorflow")
+    import os
+
+    from _launch import KERAS3_SCRIPTS, ROOT, launch_scripts
+
+    base = tmp_path_factory.mktemp("keras3_scripts")
+    scripts = []
+    for name, (script, args) in KERAS3_SCRIPTS.items():
+        (base / name).mkdir()
+        scripts.append((name, base / name, os.path.join(ROOT, script), [a.format(dir=base / name) for a in args]))
+    (base / "keras_horovod_style" / "checkpoints").mkdir()
+    r = launch_scripts(2, scripts, env={"TF_CPP_MIN_LOG_LEVEL": "3", "TF_USE_LEGACY_KERAS": "0",
+                                        "FASTXFER_TF_NATIVE": "1"}, timeout=1200)
+    return r, base

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from _launch import WORKERS, assert_ok, launch, mpi_launch, needs_mpi, script_output
+from _launch import KERAS3_SCRIPTS, WORKERS, assert_ok, launch, launch_scripts, mpi_launch, needs_mpi, script_output
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="TensorFlow not installed")
 W = "hvd_parity_worker.py"
@@ -72,11 +72,10 @@ TF_KERAS_EXAMPLES = {  # name: arguments
 
 def _examples_job(flavour, examples, base):
     """One run_scripts.py job of `examples` ({name: args}), each in base/<name>; returns (job, base)."""
-    argv = []
-    for name, args in examples.items():
+    for name in examples:
         (base / name).mkdir()
-        argv += ["::", name, str(base / name), os.path.join(EXAMPLES, f"{name}.py"), *args]
-    return launch(2, "run_scripts.py", *argv[1:], env=env(flavour), timeout=900), base
+    return launch_scripts(2, [(name, base / name, os.path.join(EXAMPLES, f"{name}.py"), args)
+                              for name, args in examples.items()], env=env(flavour), timeout=900), base
 
 
 @pytest.fixture(scope="module")
@@ -85,13 +84,13 @@ def tf_keras_examples(tmp_path_factory):
 
 
 def run_example(request, flavour, name, args=()):
-    """(its output, its directory) of Horovod example `name` under `flavour`: from the shared tf-keras
-    job, or from a job of its own."""
+    """(its output, its directory) of Horovod example `name` under `flavour`, from the job that ran it."""
     if flavour == "tf-keras":
         r, base = request.getfixturevalue("tf_keras_examples")
         assert TF_KERAS_EXAMPLES[name] == list(args)
-    else:
-        r, base = _examples_job(flavour, {name: list(args)}, request.getfixturevalue("tmp_path"))
+    else:  # the shared Keras 3 job (conftest.py)
+        r, base = request.getfixturevalue("keras3_scripts_job")
+        assert KERAS3_SCRIPTS[name][1] == list(args)
     return script_output(r, name), base / name
 
 
@@ -136,20 +135,26 @@ def test_example_tensorflow2_synthetic_benchmark(flavour, request):
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_alltoall_reducescatter_join_front_ends(n):
-    r = launch(n, "hvd_collectives_worker.py")
+def test_alltoall_reducescatter_join_front_ends(n, request):
+    if n == 2:  # in the shared Keras 3 job (conftest.py)
+        r = script_output(request.getfixturevalue("keras3_scripts_job")[0], "hvd_collectives")
+    else:
+        r = launch(n, "hvd_collectives_worker.py")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert sorted(ln.split("] ", 1)[1] for ln in r.stdout.splitlines() if "OK hvd" in ln) == \
         [f"OK hvd collectives rank {j}" for j in range(n)]
 
 
 @pytest.mark.parametrize("native", ["1", "0"], ids=["native-ops", "numpy_function-bridge"])
-def test_every_collective_name_raises_mismatch_when_ranks_disagree(native):
+def test_every_collective_name_raises_mismatch_when_ranks_disagree(native, request):
     """allreduce (dtype, op, Product, int8/uint8), grouped_allreduce, allgather, grouped_allgather,
     broadcast (root), alltoall, reducescatter, grouped_reducescatter, broadcast_variables, sparse
     allreduce and DistributedGradientTape, eagerly and in a tf.function, plus allgather_object and
     broadcast_object: MismatchError on both ranks naming the other rank and what differs (each case
     in a fresh process set; tests/workers/hvd_mismatch_worker.py)."""
-    r = launch(2, "hvd_mismatch_worker.py", env={**ENV, "FASTXFER_TF_NATIVE": native}, timeout=600)
+    if native == "1":  # in the shared Keras 3 job (conftest.py); the bridge is chosen per process
+        r = script_output(request.getfixturevalue("keras3_scripts_job")[0], "hvd_mismatch")
+    else:
+        r = launch(2, "hvd_mismatch_worker.py", env={**ENV, "FASTXFER_TF_NATIVE": native}, timeout=600)
     for line in assert_ok(r, 2, "mismatches"):
         assert line.endswith(": 30 cases"), line
