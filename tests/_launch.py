@@ -39,6 +39,15 @@ KERAS3_SCRIPTS = {  # name: (script in the checkout, its arguments; "{dir}" is t
     "hvd_mismatch": ("tests/workers/hvd_mismatch_worker.py", []),
 }
 
+# the 3-rank Keras 3 scripts that share one job (conftest.py: keras3_three_ranks_job), in this order:
+# process sets through TensorFlow and Keras (first: its init registers the sets; it shuts down at the
+# end, and the next script joins again), fit on 3 workers, the Horovod collectives front ends
+KERAS3_SCRIPTS_3 = {
+    "process_sets_tensorflow": ("tests/workers/process_sets_worker.py", ["tensorflow"]),
+    "keras_fit_graph": ("tests/workers/keras_worker.py", ["fit", "graph"]),
+    "hvd_collectives": ("tests/workers/hvd_collectives_worker.py", []),
+}
+
 
 def fastxfer_cmd():
     exe = shutil.which("fastxfer")

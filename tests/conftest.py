@@ -123,25 +123,41 @@ def legacy_keras_job():
                   env={"TF_CPP_MIN_LOG_LEVEL": "3", "TF_USE_LEGACY_KERAS": "1"}, timeout=900)
 
 
-# The 2-rank Keras 3 scripts that need no job of their own (_launch.KERAS3_SCRIPTS) run one after the
-# other in one job of tests/workers/run_scripts.py, each in a directory of its own.
+# The Keras 3 scripts that need no job of their own (_launch.KERAS3_SCRIPTS on 2 ranks,
+# KERAS3_SCRIPTS_3 on 3) run one after the other in one job of tests/workers/run_scripts.py per rank
+# count, each in a directory of its own; tests read their script's output with _launch.script_output.
+
+
+def _scripts_job(tmp_path_factory, np_, table):
+    """(CompletedProcess, directory) of one job of `table`'s scripts, each in <directory>/<name>."""
+    pytest.importorskip("tensorflow")
+    import os
+
+    from _launch import ROOT, launch_scripts
+
+    base = tmp_path_factory.mktemp(f"keras3_scripts_{np_}")
+    scripts = []
+    for name, (script, args) in table.items():
+        (base / name).mkdir()
+        scripts.append((name, base / name, os.path.join(ROOT, script), [a.format(dir=base / name) for a in args]))
+        if "{dir}/checkpoints" in args:
+            (base / name / "checkpoints").mkdir()
+    r = launch_scripts(np_, scripts, env={"TF_CPP_MIN_LOG_LEVEL": "3", "TF_USE_LEGACY_KERAS": "0",
+                                          "FASTXFER_TF_NATIVE": "1"}, timeout=1200)
+    return r, base
 
 
 @pytest.fixture(scope="session")
 def keras3_scripts_job(tmp_path_factory):
-    """(CompletedProcess, directory) of the job running KERAS3_SCRIPTS, each script in <directory>/<name>;
-    tests read their script's output with _launch.script_output."""
-    pytest.importorskip("tensorflow")
-    import os
+    """The 2-rank job of _launch.KERAS3_SCRIPTS: (CompletedProcess, directory)."""
+    from _launch import KERAS3_SCRIPTS
 
-    from _launch import KERAS3_SCRIPTS, ROOT, launch_scripts
+    return _scripts_job(tmp_path_factory, 2, KERAS3_SCRIPTS)
 
-    base = tmp_path_factory.mktemp("keras3_scripts")
-    scripts = []
-    for name, (script, args) in KERAS3_SCRIPTS.items():
-        (base / name).mkdir()
-        scripts.append((name, base / name, os.path.join(ROOT, script), [a.format(dir=base / name) for a in args]))
-    (base / "keras_horovod_style" / "checkpoints").mkdir()
-    r = launch_scripts(2, scripts, env={"TF_CPP_MIN_LOG_LEVEL": "3", "TF_USE_LEGACY_KERAS": "0",
-                                        "FASTXFER_TF_NATIVE": "1"}, timeout=1200)
-    return r, base
+
+@pytest.fixture(scope="session")
+def keras3_three_ranks_job(tmp_path_factory):
+    """The 3-rank job of _launch.KERAS3_SCRIPTS_3: (CompletedProcess, directory)."""
+    from _launch import KERAS3_SCRIPTS_3
+
+    return _scripts_job(tmp_path_factory, 3, KERAS3_SCRIPTS_3)

@@ -136,10 +136,9 @@ def test_example_tensorflow2_synthetic_benchmark(flavour, request):
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_alltoall_reducescatter_join_front_ends(n, request):
-    if n == 2:  # in the shared Keras 3 job (conftest.py)
-        r = script_output(request.getfixturevalue("keras3_scripts_job")[0], "hvd_collectives")
-    else:
-        r = launch(n, "hvd_collectives_worker.py")
+    # in the shared Keras 3 jobs of 2 and 3 ranks (conftest.py)
+    job = request.getfixturevalue({2: "keras3_scripts_job", 3: "keras3_three_ranks_job"}[n])[0]
+    r = script_output(job, "hvd_collectives", n)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert sorted(ln.split("] ", 1)[1] for ln in r.stdout.splitlines() if "OK hvd" in ln) == \
         [f"OK hvd collectives rank {j}" for j in range(n)]

@@ -24,8 +24,8 @@ def test_fit_matches_one_process_on_the_whole_batch(keras_job, mode):
     assert_ok(keras_job[0], 2, f"fit {mode}")
 
 
-def test_fit_three_workers():
-    assert_ok(launch(3, W, "fit", "graph", env=ENV, timeout=900), 3, "fit graph")
+def test_fit_three_workers(keras3_three_ranks_job):
+    assert_ok(script_output(keras3_three_ranks_job[0], "keras_fit_graph", 3), 3, "fit graph")
 
 
 def test_none_gradients_skipped_everywhere_or_mismatch(keras_job):
