@@ -115,11 +115,12 @@ def keras_job(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def legacy_keras_job():
-    """The CompletedProcess of the same kind of job under tf-keras (TF_USE_LEGACY_KERAS=1): fit, SyncBatchNormalization."""
+    """The CompletedProcess of the same kind of job under tf-keras (TF_USE_LEGACY_KERAS=1): fit,
+    SyncBatchNormalization, then per-request bucket caps (numpy collectives; the engine has failed after them)."""
     pytest.importorskip("tf_keras")
     from _launch import LEGACY_FIT_MODES, launch
 
-    return launch(2, "keras_worker.py", "seq", f"fit={LEGACY_FIT_MODES}", "syncbn",
+    return launch(2, "keras_worker.py", "seq", f"fit={LEGACY_FIT_MODES}", "syncbn", "bucketcap",
                   env={"TF_CPP_MIN_LOG_LEVEL": "3", "TF_USE_LEGACY_KERAS": "1"}, timeout=900)
 
 

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from _launch import assert_ok, launch
+from _launch import assert_ok, launch, script_output
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="TensorFlow not installed")
 W = "tf_native_worker.py"
@@ -30,10 +30,14 @@ def _job(out, modes, native, extra_env=None):
 
 
 @pytest.fixture(scope="module")
-def native_job(tmp_path_factory):
-    """(job, output prefix) of NATIVE_MODES through the native ops (the default)."""
-    out = tmp_path_factory.mktemp("tf_native") / "native"
-    return _job(out, NATIVE_MODES, "1"), out
+def native_job(keras3_scripts_job):
+    """(job, output prefix) of NATIVE_MODES through the native ops: the worker's part of the shared
+    2-rank Keras 3 job (conftest.py), saving under <its directory>/native."""
+    from _launch import KERAS3_SCRIPTS
+
+    assert KERAS3_SCRIPTS["tf_native"][1] == [NATIVE_MODES, "{dir}/native"]
+    r, base = keras3_scripts_job
+    return script_output(r, "tf_native"), base / "tf_native" / "native"
 
 
 @pytest.fixture(scope="module")
