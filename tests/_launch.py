@@ -27,6 +27,33 @@ SMALL_BUFFERS = {
 KERAS_FIT_MODES = "graph,eager,jit,accum,bf16comm,mixed_bfloat16,mixed_float16"
 LEGACY_FIT_MODES = "graph,eager,bf16comm,accum,mixed_float16"
 
+# the 2-rank Keras 3 scripts that share one job (conftest.py: keras3_scripts_job), in this order: the
+# Horovod-style example, Horovod's Keras synthetic benchmark, the Horovod collectives front ends, the
+# native ops' programs (saved under {dir}/native-<mode>), buffer forwarding and held submits, the
+# TensorFlow collectives and tape (it shuts down; the next script joins again), the mismatch cases
+# (each in a process set of its own: the job is unharmed) and, last, Keras models that differ (the
+# engine has failed after it: the worker ends the process itself)
+KERAS3_SCRIPTS = {  # name: (script in the checkout, its arguments; "{dir}" is the script's directory)
+    "keras_horovod_style": ("examples/keras_horovod_style.py",
+                            ["--epochs", "2", "--checkpoint-dir", "{dir}/checkpoints"]),
+    "tensorflow2_keras_synthetic_benchmark": (
+        "tests/workers/horovod_examples/tensorflow2_keras_synthetic_benchmark.py", ["--no-cuda", "--fp16-allreduce"]),
+    "hvd_collectives": ("tests/workers/hvd_collectives_worker.py", []),
+    "tf_native": ("tests/workers/tf_native_worker.py", ["programs,engine_collectives,forwarding,hold", "{dir}/native"]),
+    "tf_collectives_and_tape": ("tests/workers/tf_worker.py", ["collectives", "tape=none", "tape=bf16"]),
+    "hvd_mismatch": ("tests/workers/hvd_mismatch_worker.py", []),
+    "keras_mismatch": ("tests/workers/keras_worker.py", ["mismatch"]),
+}
+
+# the 3-rank Keras 3 scripts that share one job (conftest.py: keras3_three_ranks_job), in this order:
+# process sets through TensorFlow and Keras (first: its init registers the sets; it shuts down at the
+# end, and the next script joins again), fit on 3 workers, the Horovod collectives front ends
+KERAS3_SCRIPTS_3 = {
+    "process_sets_tensorflow": ("tests/workers/process_sets_worker.py", ["tensorflow"]),
+    "keras_fit_graph": ("tests/workers/keras_worker.py", ["fit", "graph"]),
+    "hvd_collectives": ("tests/workers/hvd_collectives_worker.py", []),
+}
+
 
 def fastxfer_cmd():
     exe = shutil.which("fastxfer")
@@ -128,6 +155,43 @@ def ok_lines(output, tag):
             r = m or _RANK.search(body)
             found.append((int(r.group(1)) if r else None, line))
     return found
+
+
+def launch_scripts(np_, scripts, *, env=None, timeout=TIMEOUT):
+    """One job of tests/workers/run_scripts.py: `scripts`, a list of (name, cwd, script, args), run one
+    after the other in each rank's one process (TensorFlow starts once); see `script_output`."""
+    argv = []
+    for name, cwd, script, args in scripts:
+        program = script if os.path.isabs(script) else os.path.join(WORKERS, script)
+        argv += ["::", name, str(cwd), program, *map(str, args)]
+    return launch(np_, "run_scripts.py", *argv[1:], env=env, timeout=timeout)
+
+
+def script_output(r, name, np_=2, *, ends_the_job=False):
+    """The stdout lines of script `name` in a job of tests/workers/run_scripts.py (each rank's lines
+    between its `BEGIN <name>` and `END <name>`, prefixes kept), as a CompletedProcess with the job's
+    exit code; fails (with the job's output tail) unless the job exited 0 and every rank ran it to the end.
+    ends_the_job: the script is the job's last and ends the process itself (no `END` line); every rank
+    must have begun it, and its lines run to the end of the output."""
+    begun, ended, section = {}, set(), []
+    for line in r.stdout.splitlines():
+        m = _PREFIX.match(line)
+        if not m:
+            continue
+        rank, body = int(m.group(1)), line[m.end():]
+        if body == f"BEGIN {name}":
+            begun[rank] = True
+        elif body == f"END {name}" and begun.get(rank):
+            begun[rank] = False
+            ended.add(rank)
+        elif begun.get(rank):
+            section.append(line)
+    if ends_the_job:
+        ended = {rank for rank, on in begun.items() if on}
+    assert r.returncode == 0 and sorted(ended) == list(range(np_)), \
+        f"{name}: exit code {r.returncode}, ran to the end on ranks {sorted(ended)} of 0..{np_ - 1}\n" \
+        f"{_tail(r.stdout, r.stderr)}"
+    return subprocess.CompletedProcess(r.args, r.returncode, "\n".join(section) + "\n", r.stderr)
 
 
 def _tail(out, err, n=4000):

@@ -115,9 +115,50 @@ def keras_job(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def legacy_keras_job():
-    """The CompletedProcess of the same kind of job under tf-keras (TF_USE_LEGACY_KERAS=1): fit, SyncBatchNormalization."""
+    """The CompletedProcess of the same kind of job under tf-keras (TF_USE_LEGACY_KERAS=1): fit,
+    SyncBatchNormalization, then per-request bucket caps (numpy collectives; the engine has failed after them)."""
     pytest.importorskip("tf_keras")
     from _launch import LEGACY_FIT_MODES, launch
 
-    return launch(2, "keras_worker.py", "seq", f"fit={LEGACY_FIT_MODES}", "syncbn",
+    return launch(2, "keras_worker.py", "seq", f"fit={LEGACY_FIT_MODES}", "syncbn", "bucketcap",
                   env={"TF_CPP_MIN_LOG_LEVEL": "3", "TF_USE_LEGACY_KERAS": "1"}, timeout=900)
+
+
+# The Keras 3 scripts that need no job of their own (_launch.KERAS3_SCRIPTS on 2 ranks,
+# KERAS3_SCRIPTS_3 on 3) run one after the other in one job of tests/workers/run_scripts.py per rank
+# count, each in a directory of its own; tests read their script's output with _launch.script_output.
+
+
+def _scripts_job(tmp_path_factory, np_, table):
+    """(CompletedProcess, directory) of one job of `table`'s scripts, each in <directory>/<name>."""
+    pytest.importorskip("tensorflow")
+    import os
+
+    from _launch import ROOT, launch_scripts
+
+    base = tmp_path_factory.mktemp(f"keras3_scripts_{np_}")
+    scripts = []
+    for name, (script, args) in table.items():
+        (base / name).mkdir()
+        scripts.append((name, base / name, os.path.join(ROOT, script), [a.format(dir=base / name) for a in args]))
+        if "{dir}/checkpoints" in args:
+            (base / name / "checkpoints").mkdir()
+    r = launch_scripts(np_, scripts, env={"TF_CPP_MIN_LOG_LEVEL": "3", "TF_USE_LEGACY_KERAS": "0",
+                                          "FASTXFER_TF_NATIVE": "1"}, timeout=1200)
+    return r, base
+
+
+@pytest.fixture(scope="session")
+def keras3_scripts_job(tmp_path_factory):
+    """The 2-rank job of _launch.KERAS3_SCRIPTS: (CompletedProcess, directory)."""
+    from _launch import KERAS3_SCRIPTS
+
+    return _scripts_job(tmp_path_factory, 2, KERAS3_SCRIPTS)
+
+
+@pytest.fixture(scope="session")
+def keras3_three_ranks_job(tmp_path_factory):
+    """The 3-rank job of _launch.KERAS3_SCRIPTS_3: (CompletedProcess, directory)."""
+    from _launch import KERAS3_SCRIPTS_3
+
+    return _scripts_job(tmp_path_factory, 3, KERAS3_SCRIPTS_3)

@@ -5,17 +5,36 @@ import pytest
 from _launch import assert_ok, launch
 
 W = "collectives_worker.py"
+# the modes that share one job per rank count (the worker runs them one after the other); the
+# engine-thread, join and bits16 checks keep jobs of their own
+SHARED = {1: ["sweep"], 2: ["sweep", "compressed", "collectives", "dtypes15", "alltoall", "reducescatter"],
+          3: ["info", "sweep", "compressed", "dtypes15", "alltoall", "reducescatter"], 4: ["sweep", "collectives"]}
+
+
+@pytest.fixture(scope="module")
+def shared_job():
+    """shared_job(np_, mode): the CompletedProcess of the one job of SHARED[np_] (started the first
+    time a test asks for it)."""
+    jobs = {}
+
+    def job(np_, mode):
+        assert mode in SHARED[np_], (np_, mode)
+        if np_ not in jobs:
+            jobs[np_] = launch(np_, W, ",".join(SHARED[np_]))
+        return jobs[np_]
+
+    return job
 
 
 @pytest.mark.parametrize("np_", [1, 2, 3, 4])
-def test_every_dtype_op_and_size_exact(np_):
+def test_every_dtype_op_and_size_exact(shared_job, np_):
     # sizes 0, 1, odd, and larger than the staging window and the bucket cap
-    assert_ok(launch(np_, W, "sweep"), np_, "sweep")
+    assert_ok(shared_job(np_, "sweep"), np_, "sweep")
 
 
 @pytest.mark.parametrize("np_", [2, 3])
-def test_compressed_allreduce_matches_its_exact_contract(np_):
-    assert_ok(launch(np_, W, "compressed"), np_, "compressed")
+def test_compressed_allreduce_matches_its_exact_contract(shared_job, np_):
+    assert_ok(shared_job(np_, "compressed"), np_, "compressed")
 
 
 def test_bf16_fp16_arrays_exact_bits_on_every_simd_level():
@@ -39,8 +58,8 @@ def test_bf16_fp16_arrays_exact_bits_on_every_simd_level():
 
 
 @pytest.mark.parametrize("np_", [2, 4])
-def test_broadcast_allgather_async_inplace_oob(np_):
-    assert_ok(launch(np_, W, "collectives"), np_, "collectives")
+def test_broadcast_allgather_async_inplace_oob(shared_job, np_):
+    assert_ok(shared_job(np_, "collectives"), np_, "collectives")
 
 
 def test_synchronous_calls_leave_the_engine_thread_asleep():
@@ -51,32 +70,32 @@ def test_synchronous_calls_leave_the_engine_thread_asleep():
 
 
 @pytest.mark.parametrize("np_", [2, 3])
-def test_new_dtypes_and_product_exact(np_):
+def test_new_dtypes_and_product_exact(shared_job, np_):
     """uint8/int8/uint16/int16/int32/int64 x sum/average/min/max/product with wrap-around, bool
     or/and, product on the float dtypes, broadcast/allgather of the new dtypes (issue 15)."""
-    assert_ok(launch(np_, W, "dtypes15"), np_, "dtypes15")
+    assert_ok(shared_job(np_, "dtypes15"), np_, "dtypes15")
 
 
 @pytest.mark.parametrize("np_", [2, 3])
-def test_alltoall_exact(np_):
+def test_alltoall_exact(shared_job, np_):
     """Even, uneven, empty, one-way and larger-than-window splits; several dtypes and dimensions;
     async; bad splits refused on the rank that passed them."""
-    assert_ok(launch(np_, W, "alltoall"), np_, "alltoall")
+    assert_ok(shared_job(np_, "alltoall"), np_, "alltoall")
 
 
 @pytest.mark.parametrize("np_", [2, 3])
-def test_reducescatter_exact(np_):
+def test_reducescatter_exact(shared_job, np_):
     """Rows split as Horovod does (the first rows mod size ranks get one more), fewer rows than
     ranks, past the window, integer averages truncated, grouped, scaled."""
-    assert_ok(launch(np_, W, "reducescatter"), np_, "reducescatter")
+    assert_ok(shared_job(np_, "reducescatter"), np_, "reducescatter")
 
 
 def test_join_stands_in_with_the_neutral_element_of_product_and_the_new_dtypes():
     assert_ok(launch(3, W, "join15"), 3, "join15")
 
 
-def test_layout_from_launcher():
-    r = launch(3, W, "info")
+def test_layout_from_launcher(shared_job):
+    r = shared_job(3, "info")
     assert r.returncode == 0, r.stderr
     for k in range(3):
         assert f"[{k}] INFO rank={k} size=3 local_rank={k} local_size=3" in r.stdout

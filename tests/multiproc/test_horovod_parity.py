@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from _launch import assert_ok, launch, mpi_launch, needs_mpi
+from _launch import KERAS3_SCRIPTS, WORKERS, assert_ok, launch, launch_scripts, mpi_launch, needs_mpi, script_output
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="TensorFlow not installed")
 W = "hvd_parity_worker.py"
@@ -57,8 +57,41 @@ def test_host_queries_under_mpirun(np_, per_host):
 
 
 # -- Horovod's examples, only the import changed ---------------------------------------------------
+# The tf-keras examples run one after the other in one job (tests/workers/run_scripts.py: TensorFlow
+# starts once), each in a directory of its own; each test checks its example's part of the output.
 
-EXAMPLES = "horovod_examples"
+EXAMPLES = os.path.join(WORKERS, "horovod_examples")
+SYNTHETIC_ARGS = ["--no-cuda", "--fp16-allreduce"]
+TF_KERAS_EXAMPLES = {  # name: arguments
+    "tensorflow2_keras_mnist": [],
+    "tensorflow2_mnist": [],
+    "tensorflow2_keras_synthetic_benchmark": SYNTHETIC_ARGS,
+    "tensorflow2_synthetic_benchmark": SYNTHETIC_ARGS,
+}
+
+
+def _examples_job(flavour, examples, base):
+    """One run_scripts.py job of `examples` ({name: args}), each in base/<name>; returns (job, base)."""
+    for name in examples:
+        (base / name).mkdir()
+    return launch_scripts(2, [(name, base / name, os.path.join(EXAMPLES, f"{name}.py"), args)
+                              for name, args in examples.items()], env=env(flavour), timeout=900), base
+
+
+@pytest.fixture(scope="module")
+def tf_keras_examples(tmp_path_factory):
+    return _examples_job("tf-keras", TF_KERAS_EXAMPLES, tmp_path_factory.mktemp("hvd_examples"))
+
+
+def run_example(request, flavour, name, args=()):
+    """(its output, its directory) of Horovod example `name` under `flavour`, from the job that ran it."""
+    if flavour == "tf-keras":
+        r, base = request.getfixturevalue("tf_keras_examples")
+        assert TF_KERAS_EXAMPLES[name] == list(args)
+    else:  # the shared Keras 3 job (conftest.py)
+        r, base = request.getfixturevalue("keras3_scripts_job")
+        assert KERAS3_SCRIPTS[name][1] == list(args)
+    return script_output(r, name), base / name
 
 
 def final_lines(r):
@@ -69,55 +102,58 @@ def final_lines(r):
 
 
 @pytest.mark.parametrize("flavour", [TF_KERAS])  # on Keras 3 it fails before fastxfer: legacy optimizers are gone
-def test_example_tensorflow2_keras_mnist(flavour, tmp_path):
-    r = launch(2, os.path.join(EXAMPLES, "tensorflow2_keras_mnist.py"), env=env(flavour), timeout=600, cwd=tmp_path)
+def test_example_tensorflow2_keras_mnist(flavour, request):
+    r, cwd = run_example(request, flavour, "tensorflow2_keras_mnist")
     final = final_lines(r)
     assert final["0"] == final["1"], final  # identical weights and averaged loss on both ranks
     assert "Epoch 3: finished gradual learning rate warmup to 0.002." in r.stdout
-    assert sorted(os.listdir(tmp_path)) == [f"checkpoint-{e}.h5" for e in range(1, 5)]  # rank 0's
+    assert sorted(os.listdir(cwd)) == [f"checkpoint-{e}.h5" for e in range(1, 5)]  # rank 0's
 
 
 @pytest.mark.parametrize("flavour", [TF_KERAS])  # calls opt.variables(): a list, not callable, on Keras 3
-def test_example_tensorflow2_mnist(flavour, tmp_path):
-    r = launch(2, os.path.join(EXAMPLES, "tensorflow2_mnist.py"), env=env(flavour), timeout=600, cwd=tmp_path)
+def test_example_tensorflow2_mnist(flavour, request):
+    r, cwd = run_example(request, flavour, "tensorflow2_mnist")
     final = final_lines(r)
     assert final["0"] == final["1"], final
-    assert "Step #4\tLoss:" in r.stdout and "checkpoints-1.index" in os.listdir(tmp_path)
+    assert "Step #4\tLoss:" in r.stdout and "checkpoints-1.index" in os.listdir(cwd)
 
 
 @pytest.mark.parametrize("flavour", ["keras3", TF_KERAS])  # on Keras 3 experimental_run_tf_function is its only problem
-def test_example_tensorflow2_keras_synthetic_benchmark(flavour, tmp_path):
-    r = launch(2, os.path.join(EXAMPLES, "tensorflow2_keras_synthetic_benchmark.py"), "--no-cuda", "--fp16-allreduce",
-               env=env(flavour), timeout=600, cwd=tmp_path)
+def test_example_tensorflow2_keras_synthetic_benchmark(flavour, request):
+    r, _ = run_example(request, flavour, "tensorflow2_keras_synthetic_benchmark", SYNTHETIC_ARGS)
     final = final_lines(r)
     assert final["0"] == final["1"], final  # trainable weights identical on both ranks
     assert re.search(r"Total img/sec on 2 CPU\(s\): [\d.]+ \+-[\d.]+", r.stdout), r.stdout[-2000:]
 
 
 @pytest.mark.parametrize("flavour", [TF_KERAS])  # calls opt.variables(): a list, not callable, on Keras 3
-def test_example_tensorflow2_synthetic_benchmark(flavour, tmp_path):
-    r = launch(2, os.path.join(EXAMPLES, "tensorflow2_synthetic_benchmark.py"), "--no-cuda", "--fp16-allreduce",
-               env=env(flavour), timeout=600, cwd=tmp_path)
+def test_example_tensorflow2_synthetic_benchmark(flavour, request):
+    r, _ = run_example(request, flavour, "tensorflow2_synthetic_benchmark", SYNTHETIC_ARGS)
     final = final_lines(r)
     assert final["0"] == final["1"], final
     assert re.search(r"Total img/sec on 2 CPU\(s\): [\d.]+ \+-[\d.]+", r.stdout), r.stdout[-2000:]
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_alltoall_reducescatter_join_front_ends(n):
-    r = launch(n, "hvd_collectives_worker.py")
+def test_alltoall_reducescatter_join_front_ends(n, request):
+    # in the shared Keras 3 jobs of 2 and 3 ranks (conftest.py)
+    job = request.getfixturevalue({2: "keras3_scripts_job", 3: "keras3_three_ranks_job"}[n])[0]
+    r = script_output(job, "hvd_collectives", n)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert sorted(ln.split("] ", 1)[1] for ln in r.stdout.splitlines() if "OK hvd" in ln) == \
         [f"OK hvd collectives rank {j}" for j in range(n)]
 
 
 @pytest.mark.parametrize("native", ["1", "0"], ids=["native-ops", "numpy_function-bridge"])
-def test_every_collective_name_raises_mismatch_when_ranks_disagree(native):
+def test_every_collective_name_raises_mismatch_when_ranks_disagree(native, request):
     """allreduce (dtype, op, Product, int8/uint8), grouped_allreduce, allgather, grouped_allgather,
     broadcast (root), alltoall, reducescatter, grouped_reducescatter, broadcast_variables, sparse
     allreduce and DistributedGradientTape, eagerly and in a tf.function, plus allgather_object and
     broadcast_object: MismatchError on both ranks naming the other rank and what differs (each case
     in a fresh process set; tests/workers/hvd_mismatch_worker.py)."""
-    r = launch(2, "hvd_mismatch_worker.py", env={**ENV, "FASTXFER_TF_NATIVE": native}, timeout=600)
+    if native == "1":  # in the shared Keras 3 job (conftest.py); the bridge is chosen per process
+        r = script_output(request.getfixturevalue("keras3_scripts_job")[0], "hvd_mismatch")
+    else:
+        r = launch(2, "hvd_mismatch_worker.py", env={**ENV, "FASTXFER_TF_NATIVE": native}, timeout=600)
     for line in assert_ok(r, 2, "mismatches"):
         assert line.endswith(": 30 cases"), line

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from _launch import assert_ok, launch, mpi_launch, needs_mpi
+from _launch import assert_ok, launch, mpi_launch, needs_mpi, script_output
 
 W = "process_sets_worker.py"
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "3"}
@@ -37,10 +37,13 @@ def test_a_rank_that_exits_while_a_set_peer_waits_fails_the_job_promptly():
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="TensorFlow not installed")
 @pytest.mark.parametrize("native", ["1", "0"], ids=["native-ops", "numpy_function-bridge"])
-def test_tensorflow_and_keras_in_process_sets(native):
+def test_tensorflow_and_keras_in_process_sets(native, request):
     """hvd collectives eager and in tf.function, size_op/process_set_included_op, objects,
     DistributedGradientTape and DistributedOptimizer(process_set=...) on a Keras model."""
-    r = launch(3, W, "tensorflow", env={**ENV, "FASTXFER_TF_NATIVE": native}, timeout=600)
+    if native == "1":  # in the shared 3-rank Keras 3 job (conftest.py); the bridge is chosen per process
+        r = script_output(request.getfixturevalue("keras3_three_ranks_job")[0], "process_sets_tensorflow", 3)
+    else:
+        r = launch(3, W, "tensorflow", env={**ENV, "FASTXFER_TF_NATIVE": native}, timeout=600)
     assert_ok(r, 3, "tensorflow")
 
 

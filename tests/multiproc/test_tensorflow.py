@@ -7,16 +7,16 @@ import re
 
 import pytest
 
-from _launch import assert_ok, launch
+from _launch import assert_ok, script_output
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="TensorFlow not installed")
-W = "tf_worker.py"
 
 
 @pytest.fixture(scope="module")
-def tf_job():
-    """One 2-rank job for every test here: TensorFlow starts once, not once a test."""
-    return launch(2, W, "collectives", "tape=none", "tape=bf16", env={"TF_CPP_MIN_LOG_LEVEL": "3"}, timeout=900)
+def tf_job(keras3_scripts_job):
+    """The worker's part of the shared 2-rank Keras 3 job (conftest.py), run with "collectives",
+    "tape=none", "tape=bf16": TensorFlow starts once, not once a test."""
+    return script_output(keras3_scripts_job[0], "tf_collectives_and_tape")
 
 
 def test_tensor_collectives_eager_and_graph(tf_job):

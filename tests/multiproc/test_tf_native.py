@@ -12,20 +12,50 @@ import sys
 import numpy as np
 import pytest
 
-from _launch import assert_ok, launch
+from _launch import assert_ok, launch, script_output
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="TensorFlow not installed")
 W = "tf_native_worker.py"
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "3"}
 
 
-def _run(tmp_path, mode, native, extra_env=None):
-    out = tmp_path / f"{mode}-{native}"
-    lines = assert_ok(launch(2, W, mode, str(out), env={**ENV, "FASTXFER_TF_NATIVE": native, **(extra_env or {})},
-                             timeout=900), 2, "programs")
+# Each job runs several modes one after the other (TensorFlow starts once); the native ops and the
+# bridge are chosen per process (FASTXFER_TF_NATIVE), so each has jobs of its own.
+NATIVE_MODES = "programs,engine_collectives,forwarding,hold"
+BRIDGE_MODES = "programs,engine_collectives"
+
+
+def _job(out, modes, native, extra_env=None):
+    """A 2-rank job of the worker running `modes`, saving under the prefix `out`."""
+    return launch(2, W, modes, str(out), env={**ENV, "FASTXFER_TF_NATIVE": native, **(extra_env or {})}, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def native_job(keras3_scripts_job):
+    """(job, output prefix) of NATIVE_MODES through the native ops: the worker's part of the shared
+    2-rank Keras 3 job (conftest.py), saving under <its directory>/native."""
+    from _launch import KERAS3_SCRIPTS
+
+    assert KERAS3_SCRIPTS["tf_native"][1] == [NATIVE_MODES, "{dir}/native"]
+    r, base = keras3_scripts_job
+    return script_output(r, "tf_native"), base / "tf_native" / "native"
+
+
+@pytest.fixture(scope="module")
+def bridge_job(tmp_path_factory):
+    """(job, output prefix) of BRIDGE_MODES through the tf.numpy_function bridge."""
+    out = tmp_path_factory.mktemp("tf_bridge") / "bridge"
+    return _job(out, BRIDGE_MODES, "0"), out
+
+
+def _results(job, mode, native):
+    """Each rank's saved results of `mode` in `job`, after its checks: one `OK <mode>` line from each
+    rank, on the path asked for, with nothing left between submit and wait."""
+    r, out = job
+    lines = assert_ok(r, 2, mode)
     assert all(f"native={native == '1'}" in line for line in lines), lines
     assert all("pending=0" in line for line in lines), lines  # nothing left between submit and wait
-    return [dict(np.load(f"{out}.{r}.npz")) for r in range(2)]
+    return [dict(np.load(f"{out}-{mode}.{r}.npz")) for r in range(2)]
 
 
 def _assert_bit_identical(a, b):
@@ -35,9 +65,9 @@ def _assert_bit_identical(a, b):
         assert a[k].tobytes() == b[k].tobytes(), f"{k} differs between the native ops and the bridge"
 
 
-def test_native_ops_match_the_numpy_function_bridge_bit_for_bit(tmp_path):
-    nat = _run(tmp_path, "programs", "1")
-    ref = _run(tmp_path, "programs", "0")
+def test_native_ops_match_the_numpy_function_bridge_bit_for_bit(native_job, bridge_job):
+    nat = _results(native_job, "programs", "1")
+    ref = _results(bridge_job, "programs", "0")
     for r in range(2):
         _assert_bit_identical(nat[r], ref[r])
     _assert_bit_identical(nat[0], nat[1])  # and every rank holds the same results
@@ -50,11 +80,11 @@ def test_native_ops_match_the_numpy_function_bridge_bit_for_bit(tmp_path):
     assert np.array_equal(nat[0]["eager.bcast"], ins[1]["f64"])
 
 
-def test_new_dtypes_alltoall_and_reducescatter_native_match_bridge_and_exact_values(tmp_path):
+def test_new_dtypes_alltoall_and_reducescatter_native_match_bridge_and_exact_values(native_job, bridge_job):
     """New dtypes and Product, alltoall, reducescatter (grouped, compressed), their gradients,
     eager and in tf.function: native ops == numpy_function bridge, bit for bit, and the values."""
-    nat = _run(tmp_path, "engine_collectives", "1")
-    ref = _run(tmp_path, "engine_collectives", "0")
+    nat = _results(native_job, "engine_collectives", "1")
+    ref = _results(bridge_job, "engine_collectives", "0")
     for r in range(2):
         _assert_bit_identical(nat[r], ref[r])
     a, b = nat
@@ -99,24 +129,18 @@ def test_new_dtypes_alltoall_and_reducescatter_native_match_bridge_and_exact_val
 @pytest.mark.skipif(importlib.util.find_spec("tf_keras") is None, reason="tf-keras not installed")
 def test_tf_keras_native_matches_bridge(tmp_path):
     legacy = {"TF_USE_LEGACY_KERAS": "1"}
-    nat = _run(tmp_path, "legacy", "1", legacy)
-    ref = _run(tmp_path, "legacy", "0", legacy)
+    nat = _results((_job(tmp_path / "native", "legacy", "1", legacy), tmp_path / "native"), "legacy", "1")
+    ref = _results((_job(tmp_path / "bridge", "legacy", "0", legacy), tmp_path / "bridge"), "legacy", "0")
     _assert_bit_identical(nat[0], ref[0])
     _assert_bit_identical(nat[0], nat[1])
 
 
-@pytest.fixture(scope="module")
-def forwarding_and_hold():
-    """One job for the two tests below: TensorFlow starts once."""
-    return launch(2, W, "forwarding,hold", env=ENV, timeout=600)
+def test_forwarded_buffers_are_never_read_after_the_reduction(native_job):
+    assert_ok(native_job[0], 2, "forwarding")
 
 
-def test_forwarded_buffers_are_never_read_after_the_reduction(forwarding_and_hold):
-    assert_ok(forwarding_and_hold, 2, "forwarding")
-
-
-def test_grouped_submits_hold_to_one_round_per_bucket(forwarding_and_hold):
-    assert_ok(forwarding_and_hold, 2, "hold")
+def test_grouped_submits_hold_to_one_round_per_bucket(native_job):
+    assert_ok(native_job[0], 2, "hold")
 
 
 def test_timeline_is_chrome_trace_with_every_gradient_of_every_step(tmp_path):

@@ -70,7 +70,7 @@ def programs(out):
               batch_size=16, epochs=2, shuffle=False, verbose=0)
     for i, w in enumerate(model.get_weights()):
         got[f"keras.{i}"] = w
-    _save(out, r, got)
+    _save(out, r, got, "programs")
 
 
 def engine_collectives(out):
@@ -126,7 +126,7 @@ def engine_collectives(out):
     for step in range(2):
         for i, v in enumerate(graph(x, tf.constant([r, 2, 3], tf.uint8))):
             got[f"graph.{step}.{i}"] = v.numpy()
-    _save(out, r, got)
+    _save(out, r, got, "engine_collectives")
 
 
 def legacy(out):
@@ -141,12 +141,12 @@ def legacy(out):
     rng = np.random.default_rng(r)
     model.fit(rng.standard_normal((64, 11)).astype(np.float32), rng.standard_normal((64, 3)).astype(np.float32),
               batch_size=16, epochs=2, shuffle=False, verbose=0)
-    _save(out, r, {f"tfkeras.{i}": w for i, w in enumerate(model.get_weights())})
+    _save(out, r, {f"tfkeras.{i}": w for i, w in enumerate(model.get_weights())}, "legacy")
 
 
-def _save(out, r, got):
+def _save(out, r, got, tag):
     np.savez(f"{out}.{r}.npz", **{k: np.asarray(v) for k, v in got.items()})
-    print(f"OK programs rank {r} native={native.library() is not None} pending={native.pending()}", flush=True)
+    print(f"OK {tag} rank {r} native={native.library() is not None} pending={native.pending()}", flush=True)
 
 
 def forwarding():
@@ -257,18 +257,15 @@ def timeline():
 
 
 if __name__ == "__main__":
+    # MODE[,MODE...] [OUT]: several modes share one job (TensorFlow starts once); programs,
+    # engine_collectives and legacy save their results to OUT-<mode>.<rank>.npz
     hvd.init()
-    what = sys.argv[1]
-    if what == "programs":
-        programs(sys.argv[2])
-    elif what == "engine_collectives":
-        engine_collectives(sys.argv[2])
-    elif what == "legacy":
-        legacy(sys.argv[2])
-    elif what == "timeline":
-        timeline()
-    elif set(what.split(",")) <= {"forwarding", "hold"}:  # several in one job: TensorFlow starts once
-        for name in what.split(","):
-            {"forwarding": forwarding, "hold": hold}[name]()
-    else:
-        raise SystemExit(f"unknown test {what!r}")
+    saving = {"programs": programs, "engine_collectives": engine_collectives, "legacy": legacy}
+    others = {"forwarding": forwarding, "hold": hold, "timeline": timeline}
+    for what in sys.argv[1].split(","):
+        if what in saving:
+            saving[what](f"{sys.argv[2]}-{what}")
+        elif what in others:
+            others[what]()
+        else:
+            raise SystemExit(f"unknown test {what!r}")
