@@ -52,6 +52,7 @@ KERAS3_SCRIPTS_3 = {
     "process_sets_tensorflow": ("tests/workers/process_sets_worker.py", ["tensorflow"]),
     "keras_fit_graph": ("tests/workers/keras_worker.py", ["fit", "graph"]),
     "hvd_collectives": ("tests/workers/hvd_collectives_worker.py", []),
+    "hvd_mismatch": ("tests/workers/hvd_mismatch_worker.py", []),
 }
 
 

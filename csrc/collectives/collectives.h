@@ -25,8 +25,8 @@ struct AllreduceJob {
 
 // One reducescatter: `in` holds the whole tensor (sum of counts elements of `dtype`); rank r's
 // result is elements [counts[0] + ... + counts[r-1], ... + counts[r]) of the reduction, written
-// to `out`. `scale` multiplies the reduced values (1/size for an average, times any pre- and
-// post-scale factors); integers truncate toward zero (kernels/reduce.h).
+// to `out`. `scale` multiplies the reduced values (1/size for an average, times any post-scale
+// factor; a pre-scale was applied to `in` already); integers truncate toward zero (kernels/reduce.h).
 struct ReducescatterJob {
   const void* in;
   void* out;

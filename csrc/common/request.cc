@@ -64,6 +64,7 @@ const char* op_name(ReduceOp op) {
     case ReduceOp::kMin: return "min";
     case ReduceOp::kMax: return "max";
     case ReduceOp::kProduct: return "product";
+    case ReduceOp::kAdasum: return "adasum";
   }
   return "?";
 }
@@ -74,7 +75,8 @@ ReduceOp op_from_name(const std::string& name) {
   if (name == "min") return ReduceOp::kMin;
   if (name == "max") return ReduceOp::kMax;
   if (name == "product" || name == "prod") return ReduceOp::kProduct;
-  throw std::invalid_argument("unknown op '" + name + "': expected 'sum', 'average', 'min', 'max' or 'product'");
+  if (name == "adasum") return ReduceOp::kAdasum;
+  throw std::invalid_argument("unknown op '" + name + "': expected 'sum', 'average', 'min', 'max', 'product' or 'adasum'");
 }
 
 Record make_record(CollectiveKind kind, const std::string& name, DType dtype, const std::vector<int64_t>& shape,

@@ -15,7 +15,7 @@ namespace fastxfer {
 enum class CollectiveKind : int32_t {
   kAllreduce = 0, kBroadcast, kAllgather, kBarrier, kShutdown, kJoin, kAlltoall, kReducescatter
 };
-enum class ReduceOp : int32_t { kSum = 0, kAverage, kMin, kMax, kProduct };
+enum class ReduceOp : int32_t { kSum = 0, kAverage, kMin, kMax, kProduct, kAdasum };
 
 // Collectives whose first dimension may differ between ranks (the rest of the shape must match).
 inline bool first_dim_may_differ(CollectiveKind k) {

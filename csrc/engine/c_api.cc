@@ -37,7 +37,7 @@ int32_t c_submit(const fx_request* q, fx_done_fn done, void* ctx, char* err, siz
         q->kind != FX_REDUCESCATTER)
       throw std::invalid_argument("unknown collective kind " + std::to_string(q->kind));
     if (q->dtype < FX_FLOAT32 || q->dtype > FX_BOOL) throw std::invalid_argument("unknown dtype " + std::to_string(q->dtype));
-    if (q->op < 0 || q->op > static_cast<int32_t>(ReduceOp::kProduct)) throw std::invalid_argument("unknown reduction op");
+    if (q->op < 0 || q->op > static_cast<int32_t>(ReduceOp::kAdasum)) throw std::invalid_argument("unknown reduction op");
     if (q->nsplits < 0 || (q->nsplits > 0 && q->splits == nullptr)) throw std::invalid_argument("bad splits");
     if (q->compression < 0 || q->compression > static_cast<int32_t>(Compression::kFP16))
       throw std::invalid_argument("unknown compression");

@@ -9,7 +9,9 @@
 #include <string>
 #include <vector>
 
+#include "collectives/adasum.h"
 #include "fusion/bucket_planner.h"
+#include "kernels/reduce.h"
 
 namespace fastxfer {
 
@@ -79,7 +81,10 @@ void Engine::run_batch(const std::vector<Request*>& batch, const std::vector<std
             job.outs.push_back(batch[i + t]->out);
           }
           const double t0 = timeline_.enabled() ? timeline_.now() : 0;
-          comm_->allreduce(job);
+          if (op == ReduceOp::kAdasum)
+            adasum_allreduce(*comm_, job, 1);
+          else
+            comm_->allreduce(job);
           if (timeline_.enabled()) {
             const double t1 = timeline_.now();
             const std::string label = "bucket " + std::to_string(buckets_++);
@@ -141,7 +146,16 @@ void Engine::run_batch(const std::vector<Request*>& batch, const std::vector<std
         const int64_t n = static_cast<int64_t>(all.size()), rows = r->rec.shape[0];
         const int me = comm_->rank();
         const size_t row = rows > 0 ? r->numel / static_cast<size_t>(rows) : 0;
-        ReducescatterJob job{r->in, r->out, r->dtype, r->op, r->prescale * r->postscale, {}};
+        // Pre-scaled as Horovod does, each rank's input before the reduction (integers truncate
+        // there, not after the sum), into a copy: the input tensor is the caller's.
+        std::vector<char> prescaled;
+        const void* in = r->in;
+        if (r->prescale != 1.0) {
+          prescaled.resize(r->numel * dtype_size(r->dtype));
+          reduce_block(ReduceOp::kSum, r->dtype, &in, 1, prescaled.data(), r->numel, r->prescale);
+          in = prescaled.data();
+        }
+        ReducescatterJob job{in, r->out, r->dtype, r->op, r->postscale, {}};
         for (int64_t j = 0; j < n; ++j) job.counts.push_back(static_cast<size_t>(rows / n + (j < rows % n)) * row);
         r->gathered_rows = rows / n + (me < rows % n);
         if (job.out == nullptr) {

@@ -20,7 +20,7 @@ namespace {
 // largest integer) for min, -inf (or the smallest) for max; bool: false for sum/max (or), true for
 // min/product (and).
 void fill_neutral(DType dt, ReduceOp op, void* p, size_t n) {
-  if (op == ReduceOp::kSum || op == ReduceOp::kAverage) {
+  if (op == ReduceOp::kSum || op == ReduceOp::kAverage || op == ReduceOp::kAdasum) {  // adasum(a, 0) = a
     std::memset(p, 0, n * dtype_size(dt));
     return;
   }

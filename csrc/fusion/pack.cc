@@ -10,15 +10,14 @@
 
 #include "common/parallel.h"
 #include "kernels/compress.h"
+#include "kernels/reduce.h"
 
 namespace fastxfer {
 
 namespace {
 
 void check_scale(const Bucket& b, double scale) {
-  if (scale != 1.0 && b.dtype != DType::kFloat32 && b.dtype != DType::kFloat64)
-    throw std::invalid_argument(std::string("scale != 1 is only supported for float32 and float64 buckets, not ") +
-                                dtype_name(b.dtype));
+  if (scale != 1.0 && b.dtype == DType::kBool) throw std::invalid_argument("bool buckets cannot be scaled");
 }
 
 void check_count(const Bucket& b, size_t n, const char* what) {
@@ -80,10 +79,10 @@ void pack_range(const Bucket& bucket, const std::vector<const void*>& srcs, void
               case Compression::kFP16: k.fp16.compress(s, reinterpret_cast<uint16_t*>(d), n, f); break;
               case Compression::kNone: k.scale_f32(s, reinterpret_cast<float*>(d), n, f); break;
             }
-          } else if (bucket.dtype == DType::kFloat64 && scale != 1.0) {
-            const double* s = reinterpret_cast<const double*>(src);
-            double* o = reinterpret_cast<double*>(d);
-            for (size_t i = 0; i < n; ++i) o[i] = s[i] * scale;
+          } else if (scale != 1.0) {
+            // Horovod's ScaleBuffer: float64 in double; integers in double, truncated toward
+            // zero; float16/bfloat16 in float32, rounded once (kernels/reduce.h)
+            reduce_block(ReduceOp::kSum, bucket.dtype, reinterpret_cast<const void* const*>(&src), 1, d, n, scale);
           } else {
             std::memcpy(d, src, n * esize);
           }
@@ -116,10 +115,8 @@ void unpack_range(const Bucket& bucket, const void* src, const std::vector<void*
               case Compression::kFP16: k.fp16.decompress(reinterpret_cast<const uint16_t*>(s), o, n, f); break;
               case Compression::kNone: k.scale_f32(reinterpret_cast<const float*>(s), o, n, f); break;
             }
-          } else if (bucket.dtype == DType::kFloat64 && scale != 1.0) {
-            const double* p2 = reinterpret_cast<const double*>(s);
-            double* o = reinterpret_cast<double*>(d);
-            for (size_t i = 0; i < n; ++i) o[i] = p2[i] * scale;
+          } else if (scale != 1.0) {
+            reduce_block(ReduceOp::kSum, bucket.dtype, reinterpret_cast<const void* const*>(&s), 1, d, n, scale);
           } else {
             std::memcpy(d, s, n * esize);
           }

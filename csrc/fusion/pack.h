@@ -8,8 +8,10 @@
 namespace fastxfer {
 
 // srcs[j] points at bucket.numels[j] elements of bucket.dtype; dst holds bucket.nbytes().
-// float32 and float64 tensors are multiplied by `scale` (e.g. a pre-division factor); other
-// dtypes require scale == 1 (std::invalid_argument otherwise). Padding is written as zeros.
+// Tensors are multiplied by `scale` (e.g. a pre-division factor) as Horovod scales them: float32
+// and float64 in their own precision, integers in double truncated toward zero, float16 and
+// bfloat16 in float32 rounded once; bool requires scale == 1 (std::invalid_argument otherwise).
+// Padding is written as zeros.
 void pack(const Bucket& bucket, const std::vector<const void*>& srcs, void* dst, double scale, int threads);
 
 // The inverse: dsts[j] receives bucket.numels[j] elements of bucket.dtype, multiplied by `scale`

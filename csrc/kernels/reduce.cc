@@ -45,7 +45,8 @@ template <class T>
 inline T combine(ReduceOp op, T a, T b) {
   switch (op) {
     case ReduceOp::kSum:
-    case ReduceOp::kAverage: return add(a, b);
+    case ReduceOp::kAverage:
+    case ReduceOp::kAdasum: return add(a, b);  // adasum is refused by the entry points (not element-wise)
     case ReduceOp::kProduct: return mul(a, b);
     case ReduceOp::kMin:
       if constexpr (std::is_floating_point_v<T>) return (a < b || std::isnan(a)) ? a : b;
@@ -205,6 +206,7 @@ void reduce_16bit_direct(ReduceOp op, const WireKernels& k, const void* const* s
 void reduce_block_direct(ReduceOp op, DType wire, DType own, const void* const* srcs, int nsrc, int self,
                          void* dst, void* out, size_t n, double scale) {
   if (nsrc < 1 || self < 0 || self >= nsrc) throw std::invalid_argument("reduce_block_direct: bad source index");
+  if (op == ReduceOp::kAdasum) throw std::invalid_argument("adasum is not an element-wise reduction (collectives/adasum.h)");
   ScopedIeeeFpEnv env;
   const CompressKernels& k = active_kernels();
   const bool sum2 = nsrc == 2 && (op == ReduceOp::kSum || op == ReduceOp::kAverage);
@@ -241,6 +243,8 @@ void reduce_block_direct(ReduceOp op, DType wire, DType own, const void* const* 
 
 void reduce_block(ReduceOp op, DType wire, const void* const* srcs, int nsrc, void* dst, size_t n, double scale) {
   if (nsrc < 1) throw std::invalid_argument("reduce_block needs at least one source");
+  if (op == ReduceOp::kAdasum && nsrc > 1)
+    throw std::invalid_argument("adasum is not an element-wise reduction (collectives/adasum.h)");
   ScopedIeeeFpEnv env;
   const CompressKernels& k = active_kernels();
   switch (wire) {

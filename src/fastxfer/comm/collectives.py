@@ -156,6 +156,8 @@ def oob_allreduce(array, op: str = "average", name: str | None = None, process_s
     """Reduce a small array (metrics, flags) on a lane of its own: it never waits behind gradient
     buckets. Runs on the calling thread; the GIL is released while waiting."""
     opts = options.allreduce(op, process_set=process_set, name=name)
+    if opts.op == "adasum":
+        raise ValueError("oob_allreduce does not take op='adasum' (it is for metrics and flags): use allreduce")
     eng = process_sets.engine_of(opts.process_set)
     a = check.array(array)
     opts.check_dtype(a.dtype)

@@ -23,7 +23,7 @@ import numpy as np
 from fastxfer import _validate
 from fastxfer.comm import group, process_sets
 
-OPS: tuple[str, ...] = ("sum", "average", "min", "max", "product")
+OPS: tuple[str, ...] = ("sum", "average", "min", "max", "product", "adasum")
 COMPRESSIONS: tuple[str, ...] = ("none", "bf16", "fp16")
 # the numpy dtype a compressed float32 value travels as
 WIRE_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16"}
@@ -81,15 +81,18 @@ class CollectiveOptions:
             raise ValueError(f"compression={self.compression!r} applies to float32 arrays; this one is {dtype.name}")
         if self.kind not in ("allreduce", "reducescatter"):
             return
-        if dtype.kind in "iub":
-            # Integers average as Horovod does: the wrapped sum times 1/size in double precision,
-            # truncated toward zero (docs/algorithms.md, "Integers, bool and product"). bool has no average.
-            if self.op == "average" and dtype.kind == "b":
+        if self.op == "adasum" and dtype.kind != "f" and not _validate.is_bfloat16(dtype):
+            raise TypeError(f"op='adasum' combines floating-point data (float16, bfloat16, float32, float64), "
+                            f"not {dtype.name}")
+        if dtype.kind == "b":
+            # bool has no average: sum/max are a logical or, min/product a logical and
+            if self.op == "average":
                 raise TypeError("op='average' needs a numeric dtype, not bool: sum is a logical or, min a logical and")
             if self.prescale != 1.0 or self.postscale != 1.0:
-                raise TypeError(f"{dtype.name} arrays cannot be scaled")
-        if self.prescale != 1.0 and (dtype == np.float16 or _validate.is_bfloat16(dtype)):
-            raise ValueError(f"prescale is not supported for {dtype.name} arrays (scale in float32 first)")
+                raise TypeError("bool arrays cannot be scaled (prescale/postscale must be 1)")
+        # Everything else scales as Horovod's ScaleBuffer does (docs/algorithms.md, "Scaling"):
+        # integers in float64, truncated toward zero (an integer average is the wrapped sum times
+        # 1/size, likewise); float16 and bfloat16 in float32, rounded once.
 
 
 # ---- the checks, each in one place -------------------------------------------------------------

@@ -65,10 +65,7 @@ def check_num_rank_power_of_2(num_rank) -> bool:
 
 
 def _op(op, average):
-    op = handle_average_backwards_compatibility(op, average)
-    if isinstance(op, str) and op.lower() == Adasum:
-        raise NotImplementedError("op=Adasum: fastxfer does not implement Adasum; use Average (or Sum)")
-    return op
+    return handle_average_backwards_compatibility(op, average)
 
 
 def allreduce_options(op=None, average=None, compression=Compression.none, prescale_factor=1.0,

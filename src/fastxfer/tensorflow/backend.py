@@ -129,7 +129,14 @@ def _bridge_submit(opts: CollectiveOptions, x: np.ndarray, splits=None) -> np.in
 def _bridge_wait(hid):
     with _lock:
         h = _handles.pop(int(hid))
-    got = h.wait()
+    try:
+        got = h.wait()
+    except (fx.MismatchError, ValueError) as e:
+        # raised as the tf.errors class too (errors.py): tf.numpy_function gives an OpError's code
+        # to the op's status, so a traced function fails with FailedPreconditionError, as natively
+        from fastxfer.tensorflow import errors
+
+        raise errors.translate(e) from None
     if isinstance(got, tuple):  # alltoall: (rows, received splits)
         return got[0], got[1].astype(np.int32)
     return got

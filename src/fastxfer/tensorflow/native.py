@@ -20,7 +20,6 @@ The ops (design: docs/tensorflow.md):
 from __future__ import annotations
 
 import os
-import re
 import struct
 import threading
 import warnings
@@ -28,12 +27,11 @@ import warnings
 import tensorflow as tf
 
 from fastxfer import _core, settings
-from fastxfer.errors import FastxferError, MismatchError, PeerFailureError
 
 PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_tfops.so")
 
 # the engine's codes (csrc/common/request.h, dtype.h): the op's attributes carry these
-OP_CODES = {"sum": 0, "average": 1, "min": 2, "max": 3, "product": 4}
+OP_CODES = {"sum": 0, "average": 1, "min": 2, "max": 3, "product": 4, "adasum": 5}
 COMPRESSION_CODES = {"none": 0, "bf16": 1, "fp16": 2}
 
 _lock = threading.Lock()
@@ -157,15 +155,9 @@ def is_submit(t) -> bool:
     return getattr(getattr(t, "op", None), "type", None) in ("FastxferSubmit", "FastxferSubmitSplits")
 
 
-_CLASSES = {"PeerFailureError": PeerFailureError, "MismatchError": MismatchError, "FastxferError": FastxferError,
-            "ValueError": ValueError}
-_MESSAGE = re.compile(r"(PeerFailureError|MismatchError|FastxferError|ValueError): (.*?)(?: \[Op:Fastxfer\w+\])?$",
-                      re.S)
-
-
 def translate(e: tf.errors.OpError) -> Exception:
-    """fastxfer's exception for an error raised by a native op (eagerly), else ``e`` itself."""
-    m = _MESSAGE.search(e.message or "")
-    if m is None:
-        return e
-    return _CLASSES[m.group(1)](m.group(2).strip())
+    """fastxfer's exception for an error raised by a native op (eagerly), else ``e`` itself
+    (fastxfer.tensorflow.errors)."""
+    from fastxfer.tensorflow import errors
+
+    return errors.translate(e)
