@@ -42,6 +42,7 @@ KERAS3_SCRIPTS = {  # name: (script in the checkout, its arguments; "{dir}" is t
     "tf_native": ("tests/workers/tf_native_worker.py", ["programs,engine_collectives,forwarding,hold", "{dir}/native"]),
     "tf_collectives_and_tape": ("tests/workers/tf_worker.py", ["collectives", "tape=none", "tape=bf16"]),
     "hvd_mismatch": ("tests/workers/hvd_mismatch_worker.py", []),
+    "hvd_dtypes": ("tests/workers/hvd_dtypes_worker.py", []),
     "keras_mismatch": ("tests/workers/keras_worker.py", ["mismatch"]),
 }
 
@@ -53,6 +54,7 @@ KERAS3_SCRIPTS_3 = {
     "keras_fit_graph": ("tests/workers/keras_worker.py", ["fit", "graph"]),
     "hvd_collectives": ("tests/workers/hvd_collectives_worker.py", []),
     "hvd_mismatch": ("tests/workers/hvd_mismatch_worker.py", []),
+    "hvd_dtypes": ("tests/workers/hvd_dtypes_worker.py", []),
 }
 
 

@@ -7,8 +7,10 @@ from _launch import assert_ok, launch
 W = "collectives_worker.py"
 # the modes that share one job per rank count (the worker runs them one after the other); the
 # engine-thread, join and bits16 checks keep jobs of their own
-SHARED = {1: ["sweep"], 2: ["sweep", "compressed", "collectives", "dtypes15", "alltoall", "reducescatter"],
-          3: ["info", "sweep", "compressed", "dtypes15", "alltoall", "reducescatter"], 4: ["sweep", "collectives"]}
+SHARED = {1: ["sweep", "adasum"], 2: ["sweep", "compressed", "collectives", "dtypes15", "alltoall", "reducescatter",
+                                   "adasum"],
+          3: ["info", "sweep", "compressed", "dtypes15", "alltoall", "reducescatter", "adasum"],
+          4: ["sweep", "collectives", "adasum"]}
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +90,13 @@ def test_reducescatter_exact(shared_job, np_):
     """Rows split as Horovod does (the first rows mod size ranks get one more), fewer rows than
     ranks, past the window, integer averages truncated, grouped, scaled."""
     assert_ok(shared_job(np_, "reducescatter"), np_, "reducescatter")
+
+
+@pytest.mark.parametrize("np_", [1, 2, 3, 4])
+def test_adasum_against_a_float64_reference(shared_job, np_):
+    """op='adasum': power-of-two sizes (1, 2, 4) and the fold for 3 (tests/workers/collectives_worker.py)."""
+    for line in assert_ok(shared_job(np_, "adasum"), np_, "adasum"):
+        assert line.endswith(": 23 checks"), line
 
 
 def test_join_stands_in_with_the_neutral_element_of_product_and_the_new_dtypes():

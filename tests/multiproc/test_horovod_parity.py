@@ -161,3 +161,20 @@ def test_a_collective_whose_ranks_disagree_fails_alone_and_the_next_one_works(n,
         r = launch(n, "hvd_mismatch_worker.py", env={**ENV, "FASTXFER_TF_NATIVE": native}, timeout=600)
     for line in assert_ok(r, n, "mismatches"):
         assert line.endswith(": 30 cases"), line
+
+
+@pytest.mark.parametrize("n,native", [(2, "1"), (3, "1"), (2, "0")],
+                         ids=["2-ranks-native-ops", "3-ranks-native-ops", "2-ranks-numpy_function-bridge"])
+def test_every_dtype_scaling_rule_adasum_and_a_loop_that_catches_an_expected_error(n, native, request):
+    """Every dtype through allreduce/allgather/broadcast/alltoall/reducescatter, bool included;
+    integer pre/postscale in float64 truncated toward zero, float16/bfloat16 in float32, Average on
+    integers; Adasum (allreduce, grouped, tape) against a float64 reference, the same bits on every
+    rank; a training loop catching FailedPreconditionError around a bad allgather and training on to
+    identical weights (tests/workers/hvd_dtypes_worker.py), eagerly and in a tf.function."""
+    if native == "1":
+        job = request.getfixturevalue({2: "keras3_scripts_job", 3: "keras3_three_ranks_job"}[n])[0]
+        r = script_output(job, "hvd_dtypes", n)
+    else:
+        r = launch(n, "hvd_dtypes_worker.py", env={**ENV, "FASTXFER_TF_NATIVE": native}, timeout=600)
+    for line in assert_ok(r, n, "hvd dtypes"):
+        assert line.endswith(": 125 checks"), line

@@ -46,8 +46,14 @@ def test_bad_arguments(single):
         fx.allreduce(np.ones(3, np.float32), compression="zip")
     with pytest.raises(TypeError, match="op='average' needs a numeric dtype, not bool"):
         fx.allreduce(np.ones(3, bool))
-    with pytest.raises(TypeError, match="int32 arrays cannot be scaled"):
-        fx.allreduce(np.ones(3, np.int32), postscale=2.0)
+    with pytest.raises(TypeError, match="bool arrays cannot be scaled"):
+        fx.allreduce(np.ones(3, bool), op="sum", postscale=2.0)
+    with pytest.raises(TypeError, match="op='adasum' combines floating-point data .* not int32"):
+        fx.allreduce(np.ones(3, np.int32), op="adasum")
+    with pytest.raises(ValueError, match="oob_allreduce does not take op='adasum'"):
+        fx.oob_allreduce(np.ones(3, np.float32), op="adasum")
+    with pytest.raises(ValueError, match="reducescatter takes op 'sum' or 'average', not 'adasum'"):
+        fx.reducescatter(np.ones(4, np.float32), op="adasum")
     with pytest.raises(ValueError, match="op must be one of"):
         fx.allreduce(np.ones(3), op="prod")
     with pytest.raises(ValueError, match="reducescatter takes op 'sum' or 'average'"):

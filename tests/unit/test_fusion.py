@@ -177,9 +177,12 @@ def test_errors_name_the_problem(rng):
         ro = np.empty(10, np.float32)
         ro.flags.writeable = False
         unpack(b, pack(b, t), outs=[ro, np.empty(5, np.float32)])
+    # integers scale as Horovod's ScaleBuffer: in float64, truncated toward zero; bool cannot
     (bi,) = BucketPlanner().plan([np.ones(3, np.int32)])
-    with pytest.raises(ValueError, match="only supported for float32 and float64 buckets, not int32"):
-        pack(bi, [np.ones(3, np.int32)], scale=0.5)
+    assert pack(bi, [np.array([3, -3, 5], np.int32)], scale=0.5)[:3].tolist() == [1, -1, 2]
+    (bb,) = BucketPlanner().plan([np.ones(3, bool)])
+    with pytest.raises(ValueError, match="bool buckets cannot be scaled"):
+        pack(bb, [np.ones(3, bool)], scale=0.5)
     with pytest.raises(ValueError, match="cap_bytes must be >= 1"):
         BucketPlanner(cap_bytes=0)
     with pytest.raises(ValueError, match="unknown compression 'zip'"):

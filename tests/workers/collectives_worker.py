@@ -564,6 +564,70 @@ def quiet_engine(calls=1000):
     print(f"OK quiet_engine woke {woke} times in {calls} calls, {took:.2f} s, rank {fx.rank()}")
 
 
+def _adasum_reference(vectors):
+    """Horovod's Adasum of one tensor's per-rank values, in float64 (written here, apart from the
+    engine's): pairs (0,1), (2,3), ... then their results over a binary tree; ranks past the largest
+    power of two fold into the first ones first."""
+    vs = [np.asarray(v, np.float64).ravel() for v in vectors]
+
+    def pair(a, b):
+        dot, an, bn = a @ b, a @ a, b @ b
+        return (1.0 - dot / an / 2 if an >= 1e-8 else 1.0) * a + (1.0 - dot / bn / 2 if bn >= 1e-8 else 1.0) * b
+
+    p = 1
+    while p * 2 <= len(vs):
+        p *= 2
+    for k in range(p, len(vs)):
+        vs[k - p] = pair(vs[k - p], vs[k])
+    level = 1
+    while level < p:
+        for k in range(0, p, 2 * level):
+            vs[k] = pair(vs[k], vs[k + level])
+        level *= 2
+    return vs[0]
+
+
+def adasum():
+    """op='adasum' on every float dtype, several tensors fused in one bucket (coefficients per
+    tensor), sizes 0, 1 and past the staging window, float32 on a bf16 wire, pre/postscale: within
+    rounding of the float64 reference, and the same bits on every rank."""
+    import ml_dtypes
+
+    r, n = fx.rank(), fx.size()
+    tol = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 2e-6, "float64": 1e-12}
+    checked = 0
+
+    def check(label, got, inputs, dtype, scale=1.0):
+        nonlocal checked
+        want = _adasum_reference(inputs) * scale
+        assert got.dtype == np.dtype(dtype), (label, got.dtype)
+        err = np.max(np.abs(got.astype(np.float64) - want) / np.maximum(np.abs(want), 1.0), initial=0.0)
+        assert err <= tol[np.dtype(dtype).name if dtype is not ml_dtypes.bfloat16 else "bfloat16"], (label, err)
+        rows = fx.allgather(got.view(np.uint8).reshape(1, -1))
+        assert all(np.array_equal(rows[0], row) for row in rows), f"{label}: ranks differ"
+        checked += 1
+
+    for dtype in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64):
+        # one bucket: tensors of every size, submitted back to back, each with its own direction
+        sizes = [0, 1, 5, 1000, 7]
+        ins = [[np.random.default_rng(1000 * j + k).standard_normal(m).astype(dtype) for k, m in enumerate(sizes)]
+               for j in range(n)]
+        hs = [fx.allreduce_async(a, op="adasum", name=f"ada.{np.dtype(dtype).name}.{k}") for k, a in enumerate(ins[r])]
+        for k, h in enumerate(hs):
+            check(f"{np.dtype(dtype).name}[{sizes[k]}]", h.wait(), [ins[j][k] for j in range(n)], dtype)
+    big = [np.random.default_rng(j).standard_normal(3_000_000).astype(np.float32) + 0.1 * j for j in range(n)]
+    check("float32[3M]", fx.allreduce(big[r], op="adasum"), big, np.float32)
+    wire = [b[:4096].astype(ml_dtypes.bfloat16).astype(np.float32) for b in big]  # what travels
+    got = fx.allreduce(big[r][:4096], op="adasum", compression="bf16")
+    want = _adasum_reference(wire)
+    assert np.max(np.abs(got - want) / np.maximum(np.abs(want), 1.0)) <= 1e-2
+    checked += 1
+    x = [np.linspace(-1, 1, 9) * (j + 1) + j for j in range(n)]
+    check("float64 prescale 2 postscale 0.25", fx.allreduce(x[r], op="adasum", prescale=2.0, postscale=0.25),
+          [2.0 * v for v in x], np.float64, 0.25)
+    print(f"OK adasum rank {r}: {checked} checks", flush=True)
+
+
 def info():
     print(f"INFO rank={fx.rank()} size={fx.size()} local_rank={fx.local_rank()} local_size={fx.local_size()}")
 
@@ -609,6 +673,8 @@ if __name__ == "__main__":
             alltoall()
         elif mode == "reducescatter":
             reducescatter()
+        elif mode == "adasum":
+            adasum()
         else:
             raise SystemExit(f"unknown mode {mode}")
     fx.shutdown()

@@ -360,6 +360,27 @@ class TimesFour(htf.Compressor):
         return tensor / 4.0
 
 
+def _adasum_parallel(cs):
+    """Horovod's Adasum of the vectors c * v (one c per rank, v fixed), as the multiple of v: for
+    parallel a = p v, b = q v the pair rule gives (1 - q / 2p) p + (1 - p / 2q) q."""
+    cs = list(cs)
+    p = 1
+    while p * 2 <= len(cs):
+        p *= 2
+    for k in range(p, len(cs)):
+        cs[k - p] = _pair(cs[k - p], cs[k])
+    level = 1
+    while level < p:
+        for k in range(0, p, 2 * level):
+            cs[k] = _pair(cs[k], cs[k + level])
+        level *= 2
+    return cs[0]
+
+
+def _pair(a, b):
+    return (1 - a * b / (2 * a * a)) * a + (1 - a * b / (2 * b * b)) * b
+
+
 def signatures():
     r, n = hvd.rank(), hvd.size()
     # objects
@@ -398,7 +419,11 @@ def signatures():
                   "The op parameter supersedes average. Please provide only one of them.")
     expect_raises(ValueError, lambda: htf.grouped_allreduce([x], average=False, op=htf.Sum), "supersedes average")
     expect(htf.grouped_allreduce([]) == [], "grouped_allreduce of nothing")
-    expect_raises(NotImplementedError, lambda: htf.allreduce(x, op=htf.Adasum), "Adasum")
+    # Adasum of parallel gradients c_j * v: the pair rule keeps the longer one's excess over the
+    # projection, here a fold over the ranks in tree order (tests/workers/hvd_dtypes_worker.py: any vectors)
+    want = _adasum_parallel([float(j + 1) for j in range(htf.size())]) * np.array([1.0, 2.0, 3.0])
+    got = htf.allreduce(x, op=htf.Adasum).numpy()
+    expect(np.allclose(got, want, rtol=1e-6, atol=0), f"Adasum of parallel vectors: {got} != {want}")
     expect_raises(TypeError, lambda: htf.allreduce(x, process_set=object()), "process_set must be a ProcessSet")
     expect_raises(ValueError, lambda: htf.allreduce(x, process_set=htf.ProcessSet([0])), "is not registered")
     # Compression: built-ins are objects with Horovod's methods and still the wire-format names
