@@ -11,20 +11,18 @@
 // rule, then runs the tree over the P results (docs/algorithms.md, "Adasum").
 #pragma once
 #include <cstddef>
-#include <vector>
 
 #include "collectives/collectives.h"
 
 namespace fastxfer {
 
-// Combines vs[0..n) (each `count` doubles, rank order) into vs[0], in place, by the rule above.
-// Deterministic: the dot products sum fixed blocks in a fixed order whatever `threads` is.
-void adasum_combine(const std::vector<double*>& vs, size_t count, int threads);
-
 // One fused allreduce with op Adasum: every rank packs its bucket (pre-scaled), the packed buckets
-// are allgathered, and every rank combines them tensor by tensor in float64 (the same arithmetic
-// everywhere, so every rank gets the same bits), multiplies by the post-scale and rounds once to the
-// wire dtype before unpacking. Float dtypes only (float32 compressed to bf16/fp16 on the wire too).
+// are allgathered, and every rank combines them tensor by tensor, block by block in float64 (the
+// same arithmetic everywhere, so every rank gets the same bits): two passes per pair of the tree
+// (dot products, then the combination), inner nodes of the tree kept in float64, the root
+// multiplied by the post-scale and rounded once to the wire dtype before unpacking. Float dtypes
+// only (float32 compressed to bf16/fp16 on the wire too). The buffers stay with the engine thread
+// between calls: n x the largest bucket gathered, plus one float64 vector per inner node for n > 2.
 void adasum_allreduce(Collectives& comm, const AllreduceJob& job, int threads);
 
 }  // namespace fastxfer

@@ -163,7 +163,19 @@ def run(np_: int = 2, b: int = 1 << 10, e: int = 64 << 20, f: int = 4, scale: fl
         r["algbw"] = r["bytes"] / r["p50"] / GB
         r["busbw"] = r["algbw"] * _bus_factor(r.get("collective", "allreduce"), np_)
     return {"machine": machine_info(), "ranks": np_, "rows": rows, "skipped": skipped,
-            "targets": _targets(rows, e), "model": cost_model(rows, np_)}
+            "targets": _targets(rows, e), "model": cost_model(rows, np_), "adasum": adasum_vs_sum(rows)}
+
+
+def adasum_vs_sum(rows) -> list[dict]:
+    """op='adasum' against the plain float32 sum ("fastxfer none") at every size both ran: the
+    medians and their ratio (Adasum gathers every rank's bucket and combines it in float64 on each
+    rank, where the sum reduce-scatters: docs/algorithms.md, "Adasum")."""
+    out = []
+    for a in rows:
+        if a["impl"] == "fastxfer adasum" and (s := _at(rows, "fastxfer none", a["bytes"])):
+            out.append({"bytes": a["bytes"], "sum_s": s["p50"], "adasum_s": a["p50"], "ratio": a["p50"] / s["p50"],
+                        "wrong": a["wrong"]})
+    return out
 
 
 def _at(rows, impl, nbytes):
@@ -272,6 +284,11 @@ def report(res: dict, markdown: bool = False) -> None:
     for k, v in res["skipped"].items():
         print(f"  skipped {k}: {v}")
     print_targets(res["targets"])
+    acols = ["bytes", "sum p50 us", "adasum p50 us", "adasum / sum", "#wrong"]
+    arows = [[_human(a["bytes"]), f"{a['sum_s'] * 1e6:.1f}", f"{a['adasum_s'] * 1e6:.1f}", f"{a['ratio']:.2f}x",
+              str(a["wrong"])] for a in res.get("adasum", [])]
+    if arows:
+        print_table("Adasum vs sum (float32)", acols, arows, "time of op='adasum' over op='sum', same arrays")
     model = res.get("model") or {}
     mrows = []
     for t in model.get("table", []):
@@ -285,6 +302,9 @@ def report(res: dict, markdown: bool = False) -> None:
                     f"{1 / model['shm_beta_s_per_byte'] / GB:.2f} GB/s (calibrated on this host)")
     if markdown:
         print_markdown(m, caption, COLUMNS, rows, res["targets"])
+        if arows:
+            print()
+            print(markdown_table(acols, arows))
         for k, v in res["skipped"].items():
             print(f"- skipped {k}: {v}")
         if mrows:

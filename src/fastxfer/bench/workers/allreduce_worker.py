@@ -48,6 +48,28 @@ def expected(size: int, n: int, dtype=F32) -> np.ndarray:
     return (size * (np.arange(n) % 13) + size * (size - 1) / 2).astype(dtype)
 
 
+def expected_adasum(size: int, n: int) -> np.ndarray:
+    """Adasum of every rank's `pattern` (float64, Horovod's pairwise rule over a binary tree in rank
+    order; ranks past the largest power of two folded in first), rounded to float32."""
+    vs = [pattern(j, n, np.float64) for j in range(size)]
+
+    def pair(a, b):
+        dot, an, bn = a @ b, a @ a, b @ b
+        return (1.0 - dot / an / 2 if an >= 1e-8 else 1.0) * a + (1.0 - dot / bn / 2 if bn >= 1e-8 else 1.0) * b
+
+    p = 1
+    while p * 2 <= size:
+        p *= 2
+    for k in range(p, size):
+        vs[k - p] = pair(vs[k - p], vs[k])
+    level = 1
+    while level < p:
+        for k in range(0, p, 2 * level):
+            vs[k] = pair(vs[k], vs[k + level])
+        level *= 2
+    return vs[0].astype(F32)
+
+
 # The other collectives (issue 15), on the same inputs: each rank's `pattern(rank, n)` with n a
 # multiple of size. What each returns on `rank`:
 def want_alltoall(rank, size, n, dtype=F32):
@@ -106,10 +128,16 @@ def time_sweep(rank, size, sizes, scale, barrier, ops, dtypes=None, wire: bool =
             out = np.empty_like(x) if coll == "allreduce" else np.empty_like(WANT[coll](rank, size, n, dtype))
             res = op(x, out)
             got = res if res is not None else out
-            want = expected(size, n, dtype) if coll == "allreduce" else WANT[coll](rank, size, n, dtype)
-            # compared as float64: the same for every dtype, and a bf16 array compares exactly
-            wrong = int(np.count_nonzero(got.astype(np.float64) != want.astype(np.float64))) \
-                if got.shape == want.shape else max(got.size, want.size)
+            if label.endswith(" adasum"):
+                # float32 rounding of the float64 reference: off by at most one unit in the last place
+                want = expected_adasum(size, n)
+                off = np.abs(got.astype(np.float64) - want) > 2 * np.spacing(np.abs(want)) + 1e-30
+                wrong = int(np.count_nonzero(off))
+            else:
+                want = expected(size, n, dtype) if coll == "allreduce" else WANT[coll](rank, size, n, dtype)
+                # compared as float64: the same for every dtype, and a bf16 array compares exactly
+                wrong = int(np.count_nonzero(got.astype(np.float64) != want.astype(np.float64))) \
+                    if got.shape == want.shape else max(got.size, want.size)
             del res, got
             times = []
             for _ in range(iterations(nbytes, scale)):
@@ -228,6 +256,8 @@ def run(impl: str, sizes: list[int], scale: float, out: str, collectives=COLLECT
         ops["fastxfer none fresh"] = lambda x, o: fx.allreduce(x, op="sum")
         ops["fastxfer bf16 array"] = lambda x, o: fx.allreduce(x, op="sum", out=o)
         ops["fastxfer bf16 array fresh"] = lambda x, o: fx.allreduce(x, op="sum")
+        # Horovod's op=hvd.Adasum on float32 (collectives/adasum.h), against "fastxfer none"
+        ops["fastxfer adasum"] = lambda x, o: fx.allreduce(x, op="adasum", out=o)
         if "alltoall" in collectives:
             ops["fastxfer alltoall"] = lambda x, o: fx.alltoall(x)[0]
         if "reducescatter" in collectives:
