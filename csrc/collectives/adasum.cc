@@ -9,7 +9,6 @@
 #include <memory>
 #include <string>
 
-#include "common/parallel.h"
 #include "fusion/pack.h"
 #include "kernels/compress.h"
 
@@ -89,112 +88,167 @@ struct Scratch {
   float tmp[kBlock];
 };
 
-// out <- adasum(a, b) over `count` elements: one pass for the dot products, one to combine.
-void pair(const Operand& a, const Operand& b, const Sink& out, size_t count, int threads) {
-  const size_t blocks = (count + kBlock - 1) / kBlock;
-  std::vector<double> partial(3 * blocks);
-  parallel_for(blocks, threads, 64, 1, [&](size_t lo, size_t hi) {
-    auto s = std::make_unique<Scratch>();
-    for (size_t k = lo; k < hi; ++k) {
-      const size_t i = k * kBlock, m = std::min(kBlock, count - i);
-      const double* x = a.block(i, m, s->a, s->tmp);
-      const double* y = b.block(i, m, s->b, s->tmp);
-      double dot = 0, an = 0, bn = 0;
-      for (size_t e = 0; e < m; ++e) {
-        dot += x[e] * y[e];
-        an += x[e] * x[e];
-        bn += y[e] * y[e];
+// Dot product and squared norms of a and b over elements [lo, hi), in blocks of kBlock summed in
+// order (kLanes independent sums each, which the compiler vectorizes): the same bits whatever
+// the number of threads.
+void dots(const Operand& a, const Operand& b, size_t lo, size_t hi, Scratch& s, double out[3]) {
+  double sd = 0, sa = 0, sb = 0;
+  for (size_t i = lo; i < hi; i += kBlock) {
+    const size_t m = std::min(kBlock, hi - i);
+    const double* x = a.block(i, m, s.a, s.tmp);
+    const double* y = b.block(i, m, s.b, s.tmp);
+    constexpr size_t kLanes = 8;
+    double dot[kLanes] = {}, an[kLanes] = {}, bn[kLanes] = {};
+    size_t e = 0;
+    for (; e + kLanes <= m; e += kLanes)
+      for (size_t l = 0; l < kLanes; ++l) {
+        dot[l] += x[e + l] * y[e + l];
+        an[l] += x[e + l] * x[e + l];
+        bn[l] += y[e + l] * y[e + l];
       }
-      partial[3 * k] = dot;
-      partial[3 * k + 1] = an;
-      partial[3 * k + 2] = bn;
+    for (size_t l = 0; e < m; ++e, ++l) {
+      dot[l] += x[e] * y[e];
+      an[l] += x[e] * x[e];
+      bn[l] += y[e] * y[e];
     }
-  });
-  double dot = 0, an = 0, bn = 0;
-  for (size_t k = 0; k < blocks; ++k) {
-    dot += partial[3 * k];
-    an += partial[3 * k + 1];
-    bn += partial[3 * k + 2];
+    for (size_t l = 0; l < kLanes; ++l) {
+      sd += dot[l];
+      sa += an[l];
+      sb += bn[l];
+    }
   }
-  const double ca = an >= kNormFloor ? 1.0 - dot / an * 0.5 : 1.0;
-  const double cb = bn >= kNormFloor ? 1.0 - dot / bn * 0.5 : 1.0;
-  parallel_for(blocks, threads, 64, 1, [&](size_t lo, size_t hi) {
-    auto s = std::make_unique<Scratch>();
-    for (size_t k = lo; k < hi; ++k) {
-      const size_t i = k * kBlock, m = std::min(kBlock, count - i);
-      const double* x = a.block(i, m, s->a, s->tmp);
-      const double* y = b.block(i, m, s->b, s->tmp);
-      for (size_t e = 0; e < m; ++e) s->c[e] = ca * x[e] + cb * y[e];
-      out.store(i, m, s->c, s->tmp);
-    }
-  });
+  out[0] = sd;
+  out[1] = sa;
+  out[2] = sb;
 }
 
-// The tree over `leaves` (rank order) into `root`; inner nodes in float64 buffers from `pool`.
-void combine(const std::vector<Operand>& leaves, const Sink& root, size_t count, int threads,
-             std::vector<std::vector<double>>& pool) {
-  const size_t n = leaves.size();
-  if (n == 1) {  // nothing to combine: the post-scale and the rounding only
-    const Operand& a = leaves[0];
-    auto s = std::make_unique<Scratch>();
-    for (size_t i = 0; i < count; i += kBlock) {
-      const size_t m = std::min(kBlock, count - i);
-      root.store(i, m, a.block(i, m, s->a, s->tmp), s->tmp);
-    }
-    return;
+// out[lo, hi) <- ca * a + cb * b
+void scaled_add(const Operand& a, const Operand& b, double ca, double cb, const Sink& out, size_t lo, size_t hi,
+                Scratch& s) {
+  for (size_t i = lo; i < hi; i += kBlock) {
+    const size_t m = std::min(kBlock, hi - i);
+    const double* x = a.block(i, m, s.a, s.tmp);
+    const double* y = b.block(i, m, s.b, s.tmp);
+    for (size_t e = 0; e < m; ++e) s.c[e] = ca * x[e] + cb * y[e];
+    out.store(i, m, s.c, s.tmp);
   }
+}
+
+// Horovod's coefficients from the pair's dot product and squared norms.
+void coefficients(const double d[3], double& ca, double& cb) {
+  ca = d[1] >= kNormFloor ? 1.0 - d[0] / d[1] * 0.5 : 1.0;
+  cb = d[2] >= kNormFloor ? 1.0 - d[0] / d[2] * 0.5 : 1.0;
+}
+
+// The pairs of the tree, level by level: (a, b) combines node b into node a. First the fold of
+// the ranks past the largest power of two p, then the binary tree over 0..p-1.
+std::vector<std::vector<std::pair<size_t, size_t>>> tree(size_t n) {
+  std::vector<std::vector<std::pair<size_t, size_t>>> levels;
   size_t p = 1;
   while (p * 2 <= n) p *= 2;
-  std::vector<Operand> nodes(leaves.begin(), leaves.begin() + p);
-  size_t used = 0;
-  auto inner = [&]() {
-    if (pool.size() <= used) pool.emplace_back();
-    std::vector<double>& v = pool[used++];
-    if (v.size() < count) v.resize(count);
-    return Sink{DType::kFloat64, reinterpret_cast<char*>(v.data()), 1.0};
-  };
-  auto last = [&](size_t level) { return level * 2 >= p; };  // the tree's top pair
-  for (size_t r = p; r < n; ++r) {  // fold the ranks past 2^k into the first ones
-    const Sink out = (p == 1) ? root : inner();
-    pair(nodes[r - p], leaves[r], out, count, threads);
-    nodes[r - p] = Operand{DType::kFloat64, out.data};
+  if (n > p) {
+    levels.emplace_back();
+    for (size_t r = p; r < n; ++r) levels.back().push_back({r - p, r});
   }
-  if (p == 1) return;
-  for (size_t level = 1; level < p; level *= 2)
-    for (size_t r = 0; r + level < p; r += 2 * level) {
-      const Sink out = last(level) ? root : inner();
-      pair(nodes[r], nodes[r + level], out, count, threads);
-      nodes[r] = Operand{DType::kFloat64, out.data};
-    }
+  for (size_t level = 1; level < p; level *= 2) {
+    levels.emplace_back();
+    for (size_t r = 0; r + level < p; r += 2 * level) levels.back().push_back({r, r + level});
+  }
+  return levels;
 }
 
 }  // namespace
 
 void adasum_allreduce(Collectives& comm, const AllreduceJob& job, int threads) {
   const Bucket& b = *job.bucket;
-  const size_t n = static_cast<size_t>(comm.size());
+  const size_t n = static_cast<size_t>(comm.size()), me = static_cast<size_t>(comm.rank());
   const size_t ws = dtype_size(b.wire_dtype), bytes = b.nbytes();
   if (b.wire_dtype != DType::kFloat32 && b.wire_dtype != DType::kFloat64 && b.wire_dtype != DType::kFloat16 &&
       b.wire_dtype != DType::kBFloat16)
     not_float(b.dtype);
+  // Rank j owns packed elements [lo(j), lo(j + 1)) of the bucket (64-byte multiples).
+  const size_t align = 64 / ws;
+  const size_t per = (b.numel + n * align - 1) / (n * align) * align;
+  auto lo = [&](size_t j) { return std::min(b.numel, per * j); };
+  const size_t mine_lo = lo(me), mine_n = lo(me + 1) - mine_lo;
   // Buffers kept between calls (one engine thread per engine): a step's buckets reuse the pages
   // of the last step's instead of faulting fresh ones in.
-  thread_local std::vector<char> mine, all, result;
+  thread_local std::vector<char> packed, shards, result;
   thread_local std::vector<std::vector<double>> pool;
-  if (mine.size() < bytes) mine.resize(bytes);
-  if (all.size() < n * bytes) all.resize(n * bytes);
+  if (packed.size() < bytes) packed.resize(bytes);
+  if (shards.size() < n * per * ws) shards.resize(n * per * ws);
   if (result.size() < bytes) result.resize(bytes);
-  pack(b, job.srcs, mine.data(), job.prescale, threads);
-  comm.allgather(mine.data(), all.data(), std::vector<size_t>(n, bytes));
-  ScopedIeeeFpEnv env;
-  std::vector<Operand> leaves(n);
+  pack(b, job.srcs, packed.data(), job.prescale, threads);
+  // 1. Every rank's piece of my shard (an alltoall: rank j's packed buffer is its shards in order).
+  std::vector<size_t> matrix(n * n);
+  for (size_t i = 0; i < n; ++i)
+    for (size_t j = 0; j < n; ++j) matrix[i * n + j] = (lo(j + 1) - lo(j)) * ws;
+  comm.alltoall(packed.data(), shards.data(), matrix);
+
+  // The tensors' parts inside my shard, in shard coordinates.
+  struct Part {
+    size_t begin, end;
+  };
+  std::vector<Part> parts;
   for (size_t t = 0; t < b.tensors.size(); ++t) {
-    const size_t off = b.offsets[t], count = b.numels[t];
-    if (count == 0) continue;
-    for (size_t j = 0; j < n; ++j) leaves[j] = Operand{b.wire_dtype, all.data() + j * bytes + off * ws};
-    combine(leaves, Sink{b.wire_dtype, result.data() + off * ws, job.postscale}, count, threads, pool);
+    const size_t s = std::max(b.offsets[t], mine_lo), e = std::min(b.offsets[t] + b.numels[t], mine_lo + mine_n);
+    parts.push_back(s < e ? Part{s - mine_lo, e - mine_lo} : Part{0, 0});
   }
-  unpack(b, result.data(), job.outs, 1.0, threads);
+  const size_t nt = parts.size();
+  ScopedIeeeFpEnv env;
+  auto scratch = std::make_unique<Scratch>();
+  std::vector<Operand> nodes(n);
+  for (size_t j = 0; j < n; ++j) nodes[j] = Operand{b.wire_dtype, shards.data() + j * mine_n * ws};
+  const Sink root{b.wire_dtype, result.data() + mine_lo * ws, job.postscale};
+  const auto levels = tree(n);
+  size_t used = 0;
+  for (size_t lv = 0; lv < levels.size(); ++lv) {
+    const auto& pairs = levels[lv];
+    // 2. This level's dot products over my shard, summed over every rank in rank order.
+    std::vector<double> mine(pairs.size() * nt * 3, 0.0), every(n * mine.size());
+    for (size_t q = 0; q < pairs.size(); ++q)
+      for (size_t t = 0; t < nt; ++t)
+        if (parts[t].begin < parts[t].end)
+          dots(nodes[pairs[q].first], nodes[pairs[q].second], parts[t].begin, parts[t].end, *scratch,
+               &mine[(q * nt + t) * 3]);
+    comm.allgather(mine.data(), every.data(), std::vector<size_t>(n, mine.size() * sizeof(double)));
+    for (size_t k = 0; k < mine.size(); ++k) {
+      double sum = 0;
+      for (size_t j = 0; j < n; ++j) sum += every[j * mine.size() + k];
+      mine[k] = sum;
+    }
+    // 3. Combine: into a float64 node, or -- the top of the tree -- into the result.
+    const bool top = lv + 1 == levels.size();
+    for (size_t q = 0; q < pairs.size(); ++q) {
+      Sink out = root;
+      if (!top) {
+        if (pool.size() <= used) pool.emplace_back();
+        std::vector<double>& v = pool[used++];
+        if (v.size() < mine_n) v.resize(mine_n);
+        out = Sink{DType::kFloat64, reinterpret_cast<char*>(v.data()), 1.0};
+      }
+      for (size_t t = 0; t < nt; ++t) {
+        if (parts[t].begin >= parts[t].end) continue;
+        double ca, cb;
+        coefficients(&mine[(q * nt + t) * 3], ca, cb);
+        scaled_add(nodes[pairs[q].first], nodes[pairs[q].second], ca, cb, out, parts[t].begin, parts[t].end,
+                   *scratch);
+      }
+      nodes[pairs[q].first] = Operand{DType::kFloat64, out.data};
+    }
+  }
+  if (levels.empty())  // one rank: the post-scale and the rounding only
+    for (size_t t = 0; t < nt; ++t)
+      for (size_t i = parts[t].begin; i < parts[t].end; i += kBlock) {
+        const size_t m = std::min(kBlock, parts[t].end - i);
+        root.store(i, m, nodes[0].block(i, m, scratch->a, scratch->tmp), scratch->tmp);
+      }
+  // 4. Every rank's reduced shard, in place in the result buffer (the shards are its pieces in order).
+  std::vector<size_t> sizes(n);
+  for (size_t j = 0; j < n; ++j) sizes[j] = (lo(j + 1) - lo(j)) * ws;
+  std::vector<char>& gathered = packed;  // free again: reuse its pages
+  comm.allgather(result.data() + mine_lo * ws, gathered.data(), sizes);
+  unpack(b, gathered.data(), job.outs, 1.0, threads);
 }
 
 }  // namespace fastxfer
