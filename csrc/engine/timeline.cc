@@ -1,9 +1,15 @@
 #include "engine/timeline.h"
 
-#include <chrono>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <cerrno>
+#include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <stdexcept>
+#include <string>
 
 namespace fastxfer {
 
@@ -15,6 +21,39 @@ double steady_us() {
 
 constexpr size_t kFlushBytes = 1 << 20;
 
+// The timeline file, opened for writing as docs/reliability.md promises: never through a link
+// planted at its name (O_NOFOLLOW), never another user's file or anything but a regular file,
+// mode 0600 (tensor names and timings are not for other users), emptied once it is known to be ours.
+bool is_link(const std::string& path) {
+  struct stat st;
+  return lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode);
+}
+
+std::FILE* open_private(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    const int e = errno;
+    throw std::runtime_error("cannot write the timeline " + path + ": " +
+                             // ELOOP from O_NOFOLLOW; EACCES where the kernel refuses links in sticky folders first
+                             (e == ELOOP || (e == EACCES && is_link(path))
+                                  ? std::string("it is a symbolic link (fastxfer does not write through links)")
+                                  : std::string(std::strerror(e))));
+  }
+  struct stat st;
+  std::string why;
+  if (fstat(fd, &st) != 0) why = std::strerror(errno);
+  else if (!S_ISREG(st.st_mode)) why = "not a regular file";
+  else if (st.st_uid != geteuid()) why = "it belongs to uid " + std::to_string(st.st_uid) + ", not this user";
+  else if (fchmod(fd, 0600) != 0 || ftruncate(fd, 0) != 0) why = std::strerror(errno);
+  std::FILE* f = why.empty() ? fdopen(fd, "w") : nullptr;
+  if (f == nullptr) {
+    if (why.empty()) why = std::strerror(errno);
+    ::close(fd);
+    throw std::runtime_error("cannot write the timeline " + path + ": " + why);
+  }
+  return f;
+}
+
 }  // namespace
 
 Timeline::Timeline(const std::string& path, int rank, double offset_us, bool mark_cycles)
@@ -25,8 +64,7 @@ Timeline::Timeline(const std::string& path, int rank, double offset_us, bool mar
 void Timeline::start(const std::string& path, bool mark_cycles) {
   close();
   std::lock_guard<std::mutex> lk(mu_);
-  file_ = std::fopen(path.c_str(), "w");
-  if (file_ == nullptr) throw std::runtime_error("cannot write the timeline " + path + ": " + std::strerror(errno));
+  file_ = open_private(path);
   lanes_.clear();
   buf_ = "[\n";
   buf_ += "{\"ph\": \"M\", \"name\": \"process_name\", \"pid\": " + std::to_string(rank_) +

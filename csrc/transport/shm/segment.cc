@@ -447,7 +447,7 @@ void ShmSegment::report_stall(int culprit, const std::string& msg) const {
   if (cfg_.report_dir.empty()) return;
   const std::string path = cfg_.report_dir + "/stall." + std::to_string(job_rank(cfg_.rank));
   const std::string tmp = path + ".tmp";
-  int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (fd < 0) return;
   const std::string text = std::to_string(job_rank(culprit)) + "\n" + msg + "\n";
   bool ok = write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());

@@ -13,6 +13,8 @@ import sys
 import time
 from collections.abc import Callable
 
+from fastxfer import _safefile
+
 GB = 1e9  # benchmarks report decimal gigabytes, as nccl-tests does
 
 
@@ -208,8 +210,7 @@ def write_json(path: str, payload: dict) -> None:
     if path == "-":
         print(text)
     else:
-        with open(path, "w") as f:
-            f.write(text + "\n")
+        _safefile.write(path, text + "\n")
 
 
 def pyplot():

@@ -25,6 +25,7 @@ import tempfile
 
 import numpy as np
 
+from fastxfer import _safefile
 from fastxfer import settings as config
 from fastxfer.comm import collectives, group
 from fastxfer.errors import FastxferError
@@ -75,7 +76,7 @@ def stop() -> str | None:
             got, counts = collectives.alltoall(mine, splits=splits, name="fastxfer.timeline")
         except FastxferError as e:
             keep = _beside(path, rank)
-            shutil.copyfile(part, keep)
+            _safefile.copy(part, keep, private=True)
             print(f"fastxfer: the timeline could not be gathered ({e}); rank {rank}'s part is in {keep}",
                   file=sys.stderr, flush=True)
             return None
@@ -107,32 +108,17 @@ def parse_part(data: bytes) -> list[dict]:
 
 def write_merged(path: str, parts: list[bytes]) -> None:
     """The job's one trace from every rank's part, times shifted to start at zero; written to a
-    temporary file beside ``path`` and renamed over it (a link planted at ``path`` is replaced,
-    never followed)."""
+    temporary file beside ``path`` and renamed over it (fastxfer/_safefile.py: a link planted at
+    ``path`` is replaced, never followed), mode 0600."""
     events = [e for data in parts for e in parse_part(data)]
     times = [e["ts"] for e in events if "ts" in e]
     t0 = min(times) if times else 0.0
     for e in events:
         if "ts" in e:
             e["ts"] = round(e["ts"] - t0, 3)
-    fd, tmp = tempfile.mkstemp(prefix=".fastxfer-timeline-", dir=os.path.dirname(path))
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write("[\n" + ",\n".join(json.dumps(e, separators=(", ", ": ")) for e in events) + "\n]\n")
-        os.chmod(tmp, 0o644 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    # not world-readable: tensor names and timings (docs/reliability.md)
+    _safefile.write(path, "[\n" + ",\n".join(json.dumps(e, separators=(", ", ": ")) for e in events) + "\n]\n",
+                    private=True)
 
 
 def _start_from_settings() -> None:

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from fastxfer import _core
+from fastxfer import _core, _safefile
 from fastxfer.data.decoders.native import libjpeg_path, native_decoder_status
 from fastxfer.data.format import (DATA_OFFSET, FOOTER, FOOTER_MAGIC, HEADER, INDEX_DTYPE, MAGIC, MAX_CLASSES,
                                   MAX_SIDE, VERSION, PackedFormatError)
@@ -204,7 +204,6 @@ def pack(items: Iterable[tuple[str, int]], out: str, classes: list[str] | None =
             data, note = tiler(data)
         return path, label, data, hdr, note
 
-    tmp = f"{out}.partial-{os.getpid()}"
     skipped: list[tuple[str, str]] = []
     index = np.zeros(len(items), INDEX_DTYPE)
     t0 = time.monotonic()
@@ -218,7 +217,9 @@ def pack(items: Iterable[tuple[str, int]], out: str, classes: list[str] | None =
             bar = None
     n = 0
     try:
-        with open(tmp, "wb") as f:
+        # a fresh temporary file beside `out`, renamed over it when complete (fastxfer/_safefile.py:
+        # never through a link planted at `out`, never another user's file)
+        with _safefile.atomic(out) as f:
             f.write(HEADER.pack(MAGIC, VERSION, 0, DATA_OFFSET, 0))
             f.write(b"\0" * (DATA_OFFSET - HEADER.size))
             offset = DATA_OFFSET
@@ -248,15 +249,6 @@ def pack(items: Iterable[tuple[str, int]], out: str, classes: list[str] | None =
             f.write(meta)
             f.write(FOOTER.pack(FOOTER_MAGIC, n, index_offset, meta_offset, len(meta), zlib.crc32(raw),
                                 zlib.crc32(meta)))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
     finally:
         if bar is not None:
             bar.close()

@@ -15,6 +15,7 @@ import sys
 import tempfile
 import threading
 
+from fastxfer import _safefile
 from fastxfer.comm import segments
 
 # A job's stall-report folder: <tmp>/fastxfer-report-<launcher pid>-<random>; a rank that gives up
@@ -50,7 +51,11 @@ def rank_file(directory: str, rank: int, name: str):
     """DIR/rank.R/NAME opened for appending (horovodrun's --output-filename layout)."""
     folder = os.path.join(directory, f"rank.{rank}")
     os.makedirs(folder, exist_ok=True)
-    return open(os.path.join(folder, name), "ab")
+    if os.path.islink(folder):
+        raise PermissionError(f"{folder} is a symbolic link: fastxfer does not write through links; remove it or "
+                              f"choose another --output-filename")
+    # never through a link planted at the file, never into another user's file (fastxfer/_safefile.py)
+    return _safefile.open_append(os.path.join(folder, name))
 
 
 def pump(stream, out, prefix: bytes, lock: threading.Lock, copy=None) -> None:
