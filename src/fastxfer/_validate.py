@@ -123,6 +123,11 @@ def out_like(out, a: np.ndarray, what: str = "out") -> np.ndarray:
         raise ValueError(f"{what} must be {a.dtype.name}{list(a.shape)}, not {out.dtype.name}{list(out.shape)}")
     if not out.flags.c_contiguous or not out.flags.writeable:
         raise ValueError(f"{what} must be C-contiguous and writable")
+    # the engine reads the input and writes the output chunk by chunk, in different orders: the
+    # same buffer (in place) is fine, a buffer that overlaps it elsewhere would read results
+    if out.ctypes.data != a.ctypes.data and a.size and np.shares_memory(out, a):
+        raise ValueError(f"{what} overlaps the input array without being it: pass {what}=the input itself to reduce "
+                         f"in place, or a separate array")
     return out
 
 

@@ -37,6 +37,19 @@ def test_single_process_semantics(single):
     assert fx.engine_stats()["chunks"] >= 2
 
 
+def test_out_that_overlaps_the_input_is_refused_and_in_place_is_exact(single):
+    """Issue 34 row 8: a view of the input's buffer shifted by some elements was reduced with
+    12,575,744 of 12,582,912 elements wrong."""
+    buf = np.arange(1 << 16, dtype=np.float32)
+    with pytest.raises(ValueError, match="out overlaps the input array without being it"):
+        fx.allreduce(buf[:-1000], out=buf[1000:], op="sum")
+    with pytest.raises(ValueError, match="out overlaps the input array"):
+        fx.allreduce_async(buf[1000:], out=buf[:-1000], op="sum")
+    assert np.array_equal(buf, np.arange(1 << 16, dtype=np.float32))  # nothing was written
+    x = np.arange(1 << 16, dtype=np.float32)
+    assert fx.allreduce(x, op="sum", out=x) is x and np.array_equal(x, np.arange(1 << 16, dtype=np.float32))
+
+
 def test_bad_arguments(single):
     with pytest.raises(TypeError, match="dtype complex64"):
         fx.allreduce(np.ones(3, np.complex64))
