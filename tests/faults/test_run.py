@@ -6,7 +6,9 @@ import subprocess
 import sys
 import time
 
-from _launch import launch
+import pytest
+
+from _launch import fastxfer_cmd, launch, run_command
 
 RANK = "import os; r = int(os.environ['FASTXFER_RANK'])"
 
@@ -70,3 +72,26 @@ def test_stall_report_folders_of_dead_launchers_are_swept():
 
         for p in (stale, live):
             shutil.rmtree(p, ignore_errors=True)
+
+
+@pytest.mark.parametrize("args,env,message", [
+    (["--grace", "nan"], {}, "--grace must be a number of seconds >= 0, not nan"),
+    (["--grace", "inf"], {}, "--grace must be a number of seconds >= 0, not inf"),
+    (["--elastic-timeout", "0"], {}, "FASTXFER_ELASTIC_TIMEOUT='0.0': expected a number > 0"),
+    (["--stall-check-warning-time-seconds", "nan"], {}, "FASTXFER_STALL_WARNING_S='nan': expected a number > 0"),
+    (["--stall-check-shutdown-time-seconds", "nan"], {}, "FASTXFER_TIMEOUT='nan': expected a number > 0"),
+    (["--start-timeout", "-1"], {}, "FASTXFER_ATTACH_TIMEOUT='-1.0': expected a number > 0"),
+    ([], {"FASTXFER_TIMEOUT": "nan"}, "FASTXFER_TIMEOUT='nan': expected a number > 0"),
+    ([], {"FASTXFER_STALL_WARNING_S": "nan"}, "FASTXFER_STALL_WARNING_S='nan': expected a number > 0"),
+    ([], {"FASTXFER_ELASTIC_TIMEOUT": "-1"}, "FASTXFER_ELASTIC_TIMEOUT='-1': expected a number > 0"),
+    ([], {"FASTXFER_GRACE": "nan"}, "FASTXFER_GRACE='nan': expected a number >= 0"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_timeouts_that_would_switch_fault_detection_off_are_refused_before_any_worker_starts(args, env, message,
+                                                                                            tmp_path):
+    """Issue 34 row 10: a NaN timeout silently turned stall detection off; 0 or -1 for the elastic
+    timeout killed every survivor at once. The launcher refuses them up front, starting no worker."""
+    marker = tmp_path / "started"
+    r = run_command(fastxfer_cmd() + ["run", "-np", "2", *args, "--", sys.executable, "-c",
+                                      f"open({str(marker)!r}, 'w').close()"], env={**os.environ, **env}, timeout=120)
+    assert r.returncode != 0 and message in r.stderr, r.stderr
+    assert not marker.exists(), "a worker started"

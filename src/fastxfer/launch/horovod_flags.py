@@ -13,6 +13,8 @@ import os
 import shlex
 import socket
 
+from fastxfer import settings
+
 # flags accepted with one line saying why they change nothing here: flag -> (argparse kwargs, why)
 NO_MEANING = {
     "--cycle-time-ms": (dict(type=float), "fastxfer's engine has no background cycle: a collective starts as soon "
@@ -190,6 +192,14 @@ def apply(args: argparse.Namespace) -> tuple[dict[str, str], list[str]]:
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value is not None and value is not False:
             notes.append(f"{flag}: accepted, no effect: {why}")
+    # refused here, before any worker starts, by the rules the workers would apply (a NaN timeout
+    # would switch stall detection off; docs/reliability.md)
+    for name, raw in env.items():
+        if name.startswith("FASTXFER_"):
+            try:
+                settings.declaration(name).parse(raw)
+            except settings.SettingError as e:
+                raise SystemExit(f"fastxfer run: {e} (from a horovodrun flag)") from None
     return env, notes
 
 

@@ -17,6 +17,7 @@ number, and the last line says why the job stopped.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -89,8 +90,8 @@ def main(args: argparse.Namespace) -> int:
         args.np = args.min_np
     if args.np < 1:
         raise SystemExit(f"fastxfer run: -np must be at least 1, got {args.np}")
-    if args.grace < 0:
-        raise SystemExit("fastxfer run: --grace must be >= 0")
+    if not math.isfinite(args.grace) or args.grace < 0:
+        raise SystemExit(f"fastxfer run: --grace must be a number of seconds >= 0, not {args.grace}")
     if args.hosts and not args.mpi and not args.launch_agent and not args.net:
         slots = horovod_flags.only_this_host(args.hosts)
         if slots is not None:  # horovodrun -H localhost:N: this host alone, no mpirun needed
