@@ -115,3 +115,49 @@ def test_requests_without_the_secret_or_from_strangers_are_refused(rdzv):
     rdzv.close("the job has ended")
     with pytest.raises(PeerFailureError, match="cannot reach the elastic launcher"):
         request("poll", 0)
+
+
+def _send_raw(path, data, read=True):
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(10)
+        sock.connect(path)
+        try:
+            sock.sendall(data)
+            return rendezvous._read_line(sock) if read else None
+        except ConnectionResetError:  # the launcher dropped us mid-message: what it does to junk
+            return b""
+
+
+def test_garbage_on_the_socket_is_dropped_quietly_and_the_launcher_keeps_serving(rdzv):
+    """Issue 34 row 11: a non-ASCII secret raised TypeError in hmac.compare_digest, deeply nested JSON
+    RecursionError, both as tracebacks in the launcher's threads; 120 idle connections filled the
+    backlog so that a worker reported "the launcher has stopped". Now each is refused or dropped
+    without an exception escaping, and a worker's request still gets its answer."""
+    escaped = []
+    old_hook = threading.excepthook
+    threading.excepthook = lambda args: escaped.append(args.exc_value)
+    try:
+        path = rdzv.path
+        reply = json.loads(_send_raw(path, json.dumps({"op": "poll", "worker": "0", "secret": "sécret"}).encode()
+                                     + b"\n"))
+        assert reply == {"error": "request refused: not from a worker of this job"}
+        assert json.loads(_send_raw(path, json.dumps({"op": "poll", "worker": "0", "secret": 7}).encode() + b"\n")) \
+            == {"error": "request refused: not from a worker of this job"}
+        for junk in (b"[" * 60000 + b"\n", b"{\"a\": " * 10000 + b"\n", b"\xff\xfe\n", b"[1, 2]\n", b"\n",
+                     b"x" * 70000):
+            assert _send_raw(path, junk) == b""  # closed without an answer
+        idle = []
+        for _ in range(120):  # connections that never say anything
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(path)
+            idle.append(s)
+        try:
+            assert request("poll", 0) == {"generation": -1, "pending": False}
+        finally:
+            for s in idle:
+                s.close()
+        assert rendezvous.parse_message(b"[" * 5 + b"]" * 5) is None
+        assert rendezvous.parse_message(b'{"op": "join"}') == {"op": "join"}
+    finally:
+        threading.excepthook = old_hook
+    assert not escaped, escaped

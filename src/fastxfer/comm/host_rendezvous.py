@@ -22,6 +22,7 @@ import socket
 import struct
 import time
 
+from fastxfer.comm import rendezvous
 from fastxfer.errors import FastxferError
 
 _UCRED = struct.Struct("3i")  # pid, uid, gid
@@ -53,9 +54,12 @@ def _recv(sock: socket.socket, deadline: float) -> dict:
         if not chunk:
             raise ConnectionError("closed")
         buf += chunk
-        if len(buf) > 1 << 20:
+        if len(buf) > 1 << 16:
             raise ConnectionError("message too long")
-    return json.loads(buf)
+    msg = rendezvous.parse_message(buf)  # bounded: never a RecursionError or a non-object
+    if msg is None:
+        raise ValueError("not a rendezvous message")
+    return msg
 
 
 def meet(*, launcher: str, key: str, generation: int, rank: int, size: int, host: str, timeout: float) -> dict:

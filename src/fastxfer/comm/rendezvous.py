@@ -30,6 +30,7 @@ import dataclasses
 import hmac
 import json
 import os
+import selectors
 import socket
 import threading
 import time
@@ -40,6 +41,34 @@ from fastxfer.errors import FastxferError, PeerFailureError
 SOCKET_ENV = "FASTXFER_ELASTIC_SOCKET"
 WORKER_ENV = "FASTXFER_WORKER_ID"
 _MAX_LINE = 1 << 16
+
+
+_MAX_NESTING = 4  # brackets a message of the rendezvous may hold: a flat object of plain values
+_MAX_PENDING = 1024  # connections that have not sent their request yet; more are turned away
+_READ_TIMEOUT = 5.0  # seconds a connection may take to send its request (a worker sends it at once)
+
+
+def parse_message(data: bytes) -> dict | None:
+    """A rendezvous message: a JSON object of strings, numbers and booleans on one line, else None.
+    Bounded: the brackets are counted before parsing, so deeply nested input is refused without
+    recursing, and no exception of any kind escapes (another local process may send anything)."""
+    if len(data) > _MAX_LINE or data.count(b"[") + data.count(b"{") > _MAX_NESTING:
+        return None
+    try:
+        msg = json.loads(data)
+    except (ValueError, RecursionError, UnicodeDecodeError):
+        return None
+    if not isinstance(msg, dict) or not all(isinstance(k, str) for k in msg):
+        return None
+    return msg
+
+
+def same_secret(given, secret: str) -> bool:
+    """Whether `given` (anything a peer sent) is the job's secret, in constant time; never raises
+    (hmac.compare_digest refuses non-ASCII str, so both are compared as UTF-8 bytes)."""
+    if not isinstance(given, str):
+        return False
+    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), secret.encode("utf-8", "surrogatepass"))
 
 
 def _read_line(sock: socket.socket) -> bytes:
@@ -71,7 +100,7 @@ def _request(op: str, timeout: float | None) -> dict:
     try:
         s.settimeout(timeout)
         try:
-            s.connect(path)
+            _connect(s, path, timeout)
             s.sendall(json.dumps({"op": op, "worker": str(worker), "secret": secret}).encode() + b"\n")
             line = _read_line(s)
         except socket.timeout:
@@ -83,10 +112,28 @@ def _request(op: str, timeout: float | None) -> dict:
         s.close()
     if not line:
         raise PeerFailureError("the elastic launcher closed the connection without an answer: it has stopped")
-    reply = json.loads(line)
+    reply = parse_message(line)
+    if reply is None:
+        raise PeerFailureError(f"the elastic launcher at {path} sent something that is not its answer")
     if "error" in reply:
         raise FastxferError(f"elastic launcher: {reply['error']}")
     return reply
+
+
+def _connect(s: socket.socket, path: str, timeout: float | None) -> None:
+    """Connect, retrying while the launcher's queue of connections is full (EAGAIN: other local
+    processes may hold it for a moment), until `timeout`."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    delay = 0.01
+    while True:
+        try:
+            s.connect(path)
+            return
+        except (BlockingIOError, InterruptedError):
+            if deadline is not None and time.monotonic() + delay > deadline:
+                raise socket.timeout from None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
 
 
 def join() -> dict:
@@ -240,28 +287,78 @@ class Rendezvous:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.bind(self.path)
         os.chmod(self.path, 0o600)
-        s.listen(64)
+        s.listen(256)
         self._sock = s
         self._thread = threading.Thread(target=self._accept, name="fastxfer-rendezvous", daemon=True)
         self._thread.start()
 
     def _accept(self) -> None:
-        while self.closed is None:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+        """Reads requests from every connection at once, on this one thread, without blocking on
+        any (a connection that sends nothing costs a buffer until its deadline, not a thread); a
+        complete request line gets a thread of its own, as a join may wait for its generation."""
+        sel = selectors.DefaultSelector()
+        sel.register(self._sock, selectors.EVENT_READ, None)
+        pending: dict[socket.socket, list] = {}  # connection -> [bytes so far, deadline]
 
-    def _handle(self, conn: socket.socket) -> None:
+        def drop(c):
+            sel.unregister(c)
+            del pending[c]
+            c.close()
+
         try:
-            conn.settimeout(30)
-            try:
-                req = json.loads(_read_line(conn) or b"{}")
-            except (ValueError, OSError):
-                return
+            while self.closed is None:
+                try:
+                    events = sel.select(0.5)
+                except (OSError, ValueError):
+                    return  # the socket was closed
+                now = time.monotonic()
+                for key, _ in events:
+                    if key.data is None:  # a new connection
+                        try:
+                            conn, _ = self._sock.accept()
+                        except OSError:
+                            continue
+                        if len(pending) >= _MAX_PENDING:  # a flood: the newest is turned away
+                            conn.close()
+                            continue
+                        conn.setblocking(False)
+                        pending[conn] = [b"", now + _READ_TIMEOUT]
+                        sel.register(conn, selectors.EVENT_READ, conn)
+                        continue
+                    conn = key.data
+                    try:
+                        chunk = conn.recv(4096)
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        drop(conn)
+                        continue
+                    buf = pending[conn][0] + chunk
+                    if not chunk or len(buf) > _MAX_LINE:
+                        drop(conn)
+                        continue
+                    if b"\n" not in buf:
+                        pending[conn][0] = buf
+                        continue
+                    sel.unregister(conn)
+                    del pending[conn]
+                    req = parse_message(buf.split(b"\n", 1)[0])
+                    if req is None:  # not a message of ours: dropped without an answer
+                        conn.close()
+                        continue
+                    conn.setblocking(True)
+                    threading.Thread(target=self._handle, args=(conn, req), daemon=True).start()
+                for c in [c for c, (_, deadline) in pending.items() if deadline < now]:
+                    drop(c)
+        finally:
+            for c in list(pending):
+                c.close()
+            sel.close()
+
+    def _handle(self, conn: socket.socket, req: dict) -> None:
+        try:
             conn.settimeout(None)
-            if not isinstance(req, dict) or not hmac.compare_digest(str(req.get("secret", "")), self.secret):
+            if not same_secret(req.get("secret"), self.secret):
                 reply = {"error": "request refused: not from a worker of this job"}
             elif req.get("op") == "join":
                 reply = self._join(str(req.get("worker")))
