@@ -4,6 +4,7 @@ and sweeping the shared-memory segments of launchers that died."""
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -95,3 +96,52 @@ def test_timeouts_that_would_switch_fault_detection_off_are_refused_before_any_w
                                       f"open({str(marker)!r}, 'w').close()"], env={**os.environ, **env}, timeout=120)
     assert r.returncode != 0 and message in r.stderr, r.stderr
     assert not marker.exists(), "a worker started"
+
+
+def test_more_workers_than_the_open_files_limit_allows_are_refused_up_front(tmp_path):
+    """Issue 34 row 12: -np 100000 under a limit gave "can't start new thread" and leaked the report
+    folder. Under `ulimit -n 100`, -np 100 is refused before any worker starts, naming the limit."""
+    marker = tmp_path / "started"
+    before = {d for d in os.listdir(tempfile.gettempdir()) if d.startswith("fastxfer-report-")}
+    r = run_command(["prlimit", "--nofile=100:100", "--"] + fastxfer_cmd() +
+                    ["run", "-np", "100", "--", sys.executable, "-c", f"open({str(marker)!r}, 'w').close()"],
+                    timeout=120)
+    assert r.returncode != 0 and "-np 100 needs about 264 open files" in r.stderr and "ulimit -n" in r.stderr, \
+        r.stderr
+    assert not marker.exists()
+    after = {d for d in os.listdir(tempfile.gettempdir()) if d.startswith("fastxfer-report-")}
+    assert after <= before, "a report folder was left behind"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user")
+def test_more_workers_than_the_users_process_limit_allows_are_refused_up_front():
+    """The same under `ulimit -u` as an ordinary user (the kernel exempts root from it)."""
+    from fastxfer.launch import limits
+
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(rfd)
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_NPROC, (limits._tasks_of_user(65534) + 200,) * 2)
+            msg = ""
+            try:
+                limits.check(10)
+                msg = "10 accepted"
+                limits.check(100)
+                msg = "100 accepted"
+            except SystemExit as e:
+                msg = f"{msg}; refused: {e}"
+            os.write(wfd, msg.encode())
+        finally:
+            os._exit(0)
+    os.close(wfd)
+    os.waitpid(pid, 0)
+    with os.fdopen(rfd) as f:
+        got = f.read()
+    assert got.startswith("10 accepted; refused: fastxfer run: -np 100 needs at least 500 processes and threads") \
+        and "the process limit of this user (ulimit -u:" in got, got

@@ -24,7 +24,7 @@ import sys
 from fastxfer import settings
 from fastxfer.comm import segments
 from fastxfer.errors import FastxferError
-from fastxfer.launch import elastic, horovod_flags, local, mpirun, output
+from fastxfer.launch import elastic, horovod_flags, limits, local, mpirun, output
 
 # `fastxfer run --help`: what the command does (this module's docstring), then the elastic mode
 DESCRIPTION = __doc__ + "\n" + elastic.__doc__
@@ -124,6 +124,8 @@ def main(args: argparse.Namespace) -> int:
                           extra=horovod_flags.mpi_extra(args), output_dir=args.output_filename)
     if args.launch_agent or args.net:
         raise SystemExit("fastxfer run: --launch-agent and --net go with --hosts")
+    # every worker of this host can start, or none does (launch/limits.py)
+    limits.check(max(args.np, getattr(args, "max_np", None) or 0), bool(args.output_filename))
     placement = None
     if args.bind != "none":
         from fastxfer import topology
