@@ -4,6 +4,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "common/request.h"
@@ -73,6 +74,9 @@ class Collectives {
   // so they fail fast instead of waiting for a timeout.
   // `mismatch`: the error was a disagreement between ranks; the peers raise it as one too.
   virtual void mark_exited(bool clean, const char* why, bool mismatch = false) = 0;
+  // For `fastxfer run`: this rank fails because of rank `job_culprit` of the job, which `kind`
+  // ("finished": it shut down while this rank still ran collectives); ShmSegment::report.
+  virtual void report(int job_culprit, const std::string& kind, const std::string& msg) = 0;
   // The engine thread is about to wait for work with nothing queued (true), or has work (false).
   virtual void set_engine_idle(bool idle) = 0;
 

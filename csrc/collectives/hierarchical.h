@@ -78,6 +78,9 @@ class HierarchicalCollectives : public Collectives {
     if (clean) beat_.reset();
     local_->mark_exited(clean, why, mismatch);
   }
+  void report(int job_culprit, const std::string& kind, const std::string& msg) override {
+    local_->report(job_culprit, kind, msg);
+  }
   void set_engine_idle(bool idle) override { local_->set_engine_idle(idle); }
   size_t oob_capacity() const override { return local_->oob_capacity(); }
   void abort() override { local_->abort(); }

@@ -38,6 +38,9 @@ class ShmCollectives : public Collectives {
                      double postscale) override {
     shm_oob_allreduce(ctx_, rec, in, out, n, dtype, op, postscale);
   }
+  void report(int job_culprit, const std::string& kind, const std::string& msg) override {
+    seg_.report(job_culprit, kind, msg);
+  }
   void mark_exited(bool clean, const char* why, bool mismatch = false) override {
     seg_.mark_exited(clean, why, mismatch);
   }

@@ -381,6 +381,22 @@ bool Engine::run_round() {
     for (size_t i = 0; i < agreed && bad == agreed; ++i) {
       for (int j : active) {
         if (j == ref) continue;
+        // A rank that shut down (its script ended, or it called shutdown()) while another still
+        // submits collectives has left the job: a peer failure on the ranks still running, named
+        // to the launcher (not a disagreement between them: in an elastic job, a departure).
+        const bool ref_down = static_cast<CollectiveKind>(all[ref][i].kind) == CollectiveKind::kShutdown;
+        const bool j_down = static_cast<CollectiveKind>(all[j][i].kind) == CollectiveKind::kShutdown;
+        if (ref_down != j_down) {
+          const int gone = ref_down ? ref : j, still = ref_down ? j : ref;
+          const std::string msg =
+              "rank " + std::to_string(job_rank(gone)) + " finished (its script ended, or it called shutdown()) " +
+              "while rank " + std::to_string(job_rank(still)) + " still submitted " + describe(all[still][i]) +
+              " (collective #" + std::to_string(executed_ + i + 1) + "): every rank must run the same " +
+              "collectives before it finishes";
+          if (static_cast<CollectiveKind>(all[comm_->rank()][i].kind) != CollectiveKind::kShutdown)
+            comm_->report(job_rank(gone), "finished", msg);
+          throw PeerFailure(msg);
+        }
         std::string diff = compare_records(all[ref][i], job_rank(ref), all[j][i], job_rank(j));
         // Different names: the ranks issue different sequences of collectives (one has more, or
         // another order). Matched by position, nothing after this lines up again: the group is

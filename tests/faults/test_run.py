@@ -145,3 +145,77 @@ def test_more_workers_than_the_users_process_limit_allows_are_refused_up_front()
         got = f.read()
     assert got.startswith("10 accepted; refused: fastxfer run: -np 100 needs at least 500 processes and threads") \
         and "the process limit of this user (ulimit -u:" in got, got
+
+
+ROW5 = """
+import os, sys, time, numpy as np, fastxfer as fx
+fx.init()
+r = fx.rank()
+fx.allreduce(np.ones(3, np.float32))
+if r == 1:
+    raise RuntimeError("rank 1 gives up")
+time.sleep(60)  # computing outside fastxfer
+fx.allreduce(np.ones(3, np.float32))
+"""
+
+
+def test_a_rank_that_raises_leaves_at_once_instead_of_waiting_for_its_peers_at_exit():
+    """Issue 34 row 5: rank 1 raised while rank 0 computed outside fastxfer; rank 1 then waited in the
+    exit-time collective shutdown until rank 0 called in (up to FASTXFER_TIMEOUT). Now it leaves at
+    once and the job ends within the grace period."""
+    t0 = time.monotonic()
+    r = launch(2, "-c", ROW5, launcher_args=["--grace", "2"], env={"FASTXFER_TIMEOUT": "300"}, timeout=120)
+    took = time.monotonic() - t0
+    assert r.returncode == 1 and "RuntimeError: rank 1 gives up" in r.stderr
+    assert "rank 1 failed first (exit code 1); rank 0: killed by SIGTERM" in r.stderr, r.stderr[-2000:]
+    assert took < 30, took  # not the 60 s rank 0 computes, nor FASTXFER_TIMEOUT
+
+
+ROW6 = """
+import time, numpy as np, fastxfer as fx
+fx.init()
+r = fx.rank()
+ps = fx.add_process_set([1, 2])
+if r == 1:
+    time.sleep(1000)  # stalls: the set's collective never comes
+if r == 2:
+    fx.allreduce(np.ones(3, np.float32), process_set=ps, name="x")
+time.sleep(60)  # rank 0 computes; rank 2 fails first, in the set
+"""
+
+
+def test_the_launcher_names_the_rank_that_stalled_inside_a_process_set():
+    """Issue 34 row 6: the stall was in set [1, 2] (rank 1 asleep); rank 2's exception named rank 1,
+    then its exit-time shutdown waited for rank 0 and overwrote the report, so the launcher said
+    "rank 0 stalled"."""
+    r = launch(3, "-c", ROW6, launcher_args=["--grace", "2"], env={"FASTXFER_TIMEOUT": "6"}, timeout=120)
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("fastxfer run: job failed: rank 1 stalled (named by rank 2: rank 1 stalled: rank 2 waited"), \
+        r.stderr[-3000:]
+
+
+ROW7 = """
+import time, numpy as np, fastxfer as fx
+fx.init()
+r = fx.rank()
+fx.allreduce(np.ones(3, np.float32))
+if r == 1:
+    raise SystemExit(0)  # done early: exits cleanly while the others go on
+for i in range(5):
+    fx.allreduce(np.ones(3, np.float32))
+    time.sleep(0.2)
+"""
+
+
+def test_a_rank_that_finishes_early_is_named_and_its_peers_get_a_peer_failure():
+    """Issue 34 row 7: rank 1 exited 0 while the others still ran collectives; they failed in 0.2 s
+    with a MismatchError, and the launcher said "rank 0 failed first"."""
+    r = launch(3, "-c", ROW7, launcher_args=["--grace", "2"], timeout=120)
+    assert r.returncode == 1
+    assert "PeerFailureError: rank 1 finished (its script ended, or it called shutdown()) while rank 0 still " \
+           "submitted allreduce" in r.stderr, r.stderr[-3000:]
+    assert "MismatchError" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("fastxfer run: job failed: rank 1 finished while the others still ran collectives "
+                           "(named by rank "), last
+    assert "rank 1: exit code 0" in last, last

@@ -72,6 +72,18 @@ def test_killed_worker_the_survivors_go_on_and_old_requests_fail():
     assert shm_segments() <= before  # nothing left in /dev/shm
 
 
+def test_a_worker_that_finishes_early_is_a_departure_and_the_others_go_on():
+    """Issue 34 row 7: a worker that exits cleanly while the others still train used to surface as a
+    MismatchError that killed the job; it is a departure: the survivors re-form and finish."""
+    r = launch(3, "elastic_departure_worker.py", launcher_args=elastic(3, 2), env=ENV)
+    ok(r)
+    assert "worker 2 leaves cleanly" in r.stdout
+    assert "generation 1: 2 worker(s) (workers 0, 1 as ranks 0..1)" in r.stderr, r.stderr
+    assert "[0] step 8 size 2" in r.stdout and "MismatchError" not in r.stdout + r.stderr
+    assert sorted(ln.split("] ", 1)[1] for ln in r.stdout.splitlines() if "DONE" in ln) == \
+        ["DONE rank 0 steps 8", "DONE rank 1 steps 8"], r.stdout
+
+
 def test_rank_0_killed_rank_1_becomes_rank_0():
     r = launch(3, "elastic_np_worker.py", 8, "0@3", launcher_args=elastic(3, 2), env=ENV)
     ok(r)

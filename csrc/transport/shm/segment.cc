@@ -20,6 +20,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -442,14 +443,27 @@ int ShmSegment::stalled_rank(int j, std::string* doing) const {
   return j;
 }
 
-void ShmSegment::report_stall(int culprit, const std::string& msg) const {
+void ShmSegment::report_stall(int culprit, const std::string& msg) const { report(job_rank(culprit), "stalled", msg); }
+
+void ShmSegment::report(int job_culprit, const std::string& kind, const std::string& msg) const {
   // For `fastxfer run`: the rank that gives up is not the culprit; the report says which one is.
+  // A rank's first culprit stands: a later failure of the same rank (its exit-time shutdown
+  // waiting for a peer that computes, say) must not blame another rank over it.
   if (cfg_.report_dir.empty()) return;
   const std::string path = cfg_.report_dir + "/stall." + std::to_string(job_rank(cfg_.rank));
+  {
+    const int old = open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    if (old >= 0) {
+      char head[32] = {};
+      const ssize_t n = read(old, head, sizeof head - 1);
+      close(old);
+      if (n > 0 && std::atoi(head) != job_culprit) return;
+    }
+  }
   const std::string tmp = path + ".tmp";
   int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (fd < 0) return;
-  const std::string text = std::to_string(job_rank(culprit)) + "\n" + msg + "\n";
+  const std::string text = std::to_string(job_culprit) + " " + kind + "\n" + msg + "\n";
   bool ok = write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
   close(fd);
   if (ok) rename(tmp.c_str(), path.c_str());

@@ -78,6 +78,10 @@ class ShmSegment {
   // so they fail fast instead of waiting for a timeout. `mismatch`: the error was a disagreement
   // between ranks, which the peers then raise as a Mismatch too (with this rank's message).
   void mark_exited(bool clean, const char* why, bool mismatch = false);
+  // For `fastxfer run` (its report folder): this rank failed because of rank `job_culprit` (a rank
+  // of the job), which `kind` ("stalled", "finished"): REPORT_DIR/stall.<this rank>. The first
+  // culprit a rank names stands (a later report naming another rank is dropped).
+  void report(int job_culprit, const std::string& kind, const std::string& msg) const;
   // Whether nothing is queued on this rank and no thread runs a round (what the out-of-band lane's
   // mismatch check needs to know: docs/algorithms.md, "oob_allreduce").
   void set_engine_idle(bool idle);

@@ -458,15 +458,48 @@ def shutdown() -> None:
                 callback()
 
 
+def _forget_engine() -> None:
+    """After a non-collective leave: no engine, as after shutdown()."""
+    global _engine, _layout
+    with _lock:
+        _engine = None
+        _layout = None
+        for callback in list(_shutdown_hooks):
+            callback()
+
+
+_uncaught: list[str] = []  # the exception that is ending the interpreter, if one is
+
+
+def _note_uncaught(exc_type, exc, tb) -> None:
+    if not _uncaught:
+        _uncaught.append(f"{exc_type.__name__}: {exc}".splitlines()[0][:300])
+    _previous_excepthook(exc_type, exc, tb)
+
+
+_previous_excepthook = sys.excepthook
+sys.excepthook = _note_uncaught
+
+
 def _atexit_shutdown() -> None:
     # At interpreter exit, leave quietly: an error here would only hide the real one. Process
     # sets leave first, without waiting for their peers: a rank that exits (after an exception,
     # say) while a peer waits for it in another engine would otherwise wait for that peer in turn.
+    # A process ending with an uncaught exception leaves the global engine the same way (not
+    # collective): waiting there for peers that still compute would hold the failing rank up to
+    # FASTXFER_TIMEOUT, and the peers learn of it at once (PeerFailureError naming the error).
     eng = _engine
     try:
         for callback in list(_at_exit):
             callback()
-        shutdown()
+        if _uncaught and eng is not None:
+            try:
+                eng.leave(f"the process ended with {_uncaught[0]}")
+            finally:
+                _core.clear_current_engine()
+                _forget_engine()
+        else:
+            shutdown()
     except Exception:
         pass
     if eng is not None and eng.host_lost:

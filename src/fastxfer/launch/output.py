@@ -97,9 +97,13 @@ def say_failed(procs, first: int, reports: dict[int, tuple[int, str]]) -> None:
     others = describe_all(procs, "rank", skip=first)
     tail = f"; {', '.join(others)}" if others else ""
     if first in reports and reports[first][0] != first:
-        culprit, msg = reports[first]
-        say(f"fastxfer run: job failed: rank {culprit} stalled (named by rank {first}: {msg}); rank {first} gave up "
-            f"waiting for it ({describe_exit(code)})" + tail)
+        culprit, kind, msg = reports[first]
+        if kind == "finished":
+            say(f"fastxfer run: job failed: rank {culprit} finished while the others still ran collectives (named by "
+                f"rank {first}: {msg}); rank {first} failed ({describe_exit(code)})" + tail)
+        else:
+            say(f"fastxfer run: job failed: rank {culprit} stalled (named by rank {first}: {msg}); rank {first} gave "
+                f"up waiting for it ({describe_exit(code)})" + tail)
     else:
         say(f"fastxfer run: job failed: rank {first} failed first ({describe_exit(code)})" + tail)
 
@@ -109,14 +113,16 @@ def make_report_dir() -> str:
     return tempfile.mkdtemp(prefix=f"{REPORT_PREFIX}{os.getpid()}-")
 
 
-def read_stall_reports(report_dir: str, ranks: int) -> dict[int, tuple[int, str]]:
-    """rank -> (the rank it names as stalled, its message), from the ranks' stall reports."""
+def read_stall_reports(report_dir: str, ranks: int) -> dict[int, tuple[int, str, str]]:
+    """rank -> (the rank it blames, how: "stalled" or "finished", its message), from the reports the
+    ranks' engines write when they fail because of another rank (csrc/transport/shm/segment.cc)."""
     reports = {}
     for r in range(ranks):
         try:
             with open(os.path.join(report_dir, f"stall.{r}")) as f:
-                culprit, _, msg = f.read().partition("\n")
-            reports[r] = (int(culprit), msg.strip())
+                head, _, msg = f.read().partition("\n")
+            culprit, _, kind = head.partition(" ")
+            reports[r] = (int(culprit), kind or "stalled", msg.strip())
         except (OSError, ValueError):
             continue
     return reports
