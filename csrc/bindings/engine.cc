@@ -47,7 +47,7 @@ void bind_engine(py::module_& m) {
                        double stall_warning_s, const std::string& report_dir, std::vector<int> segment_ranks,
                        std::vector<int> job_ranks, size_t net_chunk_bytes, double host_timeout_s,
                        bool yield_on_wake, const std::string& host_id, double clock_offset_us,
-                       bool timeline_mark_cycles) {
+                       bool timeline_mark_cycles, std::vector<int> member_pids) {
              JobConfig job;
              job.shm.name = name;
              job.shm.rank = rank;
@@ -61,6 +61,7 @@ void bind_engine(py::module_& m) {
              job.shm.stall_warning_s = stall_warning_s;
              job.shm.report_dir = report_dir;
              job.shm.rank_names = std::move(segment_ranks);
+             job.shm.member_pids = std::move(member_pids);
              job.engine.rank_names = std::move(job_ranks);
              job.threads = threads;
              job.stream_min_bytes = stream_min_bytes;
@@ -88,7 +89,7 @@ void bind_engine(py::module_& m) {
            py::arg("segment_ranks") = std::vector<int>{}, py::arg("job_ranks") = std::vector<int>{},
            py::arg("net_chunk_bytes") = static_cast<size_t>(1u << 20), py::arg("host_timeout_s") = 0.0,
            py::arg("yield_on_wake") = true, py::arg("host_id") = "", py::arg("clock_offset_us") = 0.0,
-           py::arg("timeline_mark_cycles") = false)
+           py::arg("timeline_mark_cycles") = false, py::arg("member_pids") = std::vector<int>{})
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("size", &Engine::size)
       .def_property_readonly("oob_capacity", &Engine::oob_capacity)

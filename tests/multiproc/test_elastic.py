@@ -84,6 +84,19 @@ def test_a_worker_that_finishes_early_is_a_departure_and_the_others_go_on():
         ["DONE rank 0 steps 8", "DONE rank 1 steps 8"], r.stdout
 
 
+def test_a_member_that_dies_before_it_attaches_the_others_re_form_at_once(tmp_path):
+    """Issue 34 row 3: survivors waited the whole attach timeout (120 s) for a member killed after it
+    joined and before it attached, then failed the first generation although --min-np survived."""
+    r = launch(3, "elastic_attach_worker.py", str(tmp_path / "flag"), launcher_args=elastic(3, 2),
+               env={**ENV, "FASTXFER_ATTACH_TIMEOUT": "120"})
+    ok(r)
+    assert r.stderr.count("died before it attached to the job's shared memory") == 2, r.stderr
+    took = [float(x) for x in re.findall(r"init took ([\d.]+) s, size 2", r.stdout)]
+    assert len(took) == 2 and max(took) < 20, r.stdout  # seconds, not the 120 s attach timeout
+    assert sorted(ln.split("] ", 1)[1] for ln in r.stdout.splitlines() if "DONE" in ln) == \
+        ["DONE rank 0 size 2 steps 3", "DONE rank 1 size 2 steps 3"], r.stdout
+
+
 def test_rank_0_killed_rank_1_becomes_rank_0():
     r = launch(3, "elastic_np_worker.py", 8, "0@3", launcher_args=elastic(3, 2), env=ENV)
     ok(r)

@@ -15,6 +15,8 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <signal.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
@@ -330,6 +332,7 @@ void ShmSegment::open_existing(double deadline) {
     } else if (errno != ENOENT) {
       throw EngineError("cannot open shared-memory segment " + path_ + ": " + errno_str(errno));
     }
+    check_members_alive(0);
     if (now_s() > deadline)
       throw PeerFailure(label(cfg_.rank) + " did not find the job's shared memory (" + path_ +
                         ") within " + std::to_string(static_cast<int>(cfg_.attach_timeout_s)) +
@@ -338,6 +341,20 @@ void ShmSegment::open_existing(double deadline) {
                         "hosts need MPI: pip install 'fastxfer[mpi]' and launch with fastxfer run --hosts or "
                         "mpirun)");
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
+void ShmSegment::check_members_alive(int upto) const {
+  // Ranks [0, upto) that have not attached yet (all of them while the segment is not mapped:
+  // upto 0 means rank 0 alone, the creator): dead ones are reported now, by the pid the launcher gave.
+  const int n = std::min<int>(upto == 0 ? 1 : upto, static_cast<int>(cfg_.member_pids.size()));
+  for (int j = 0; j < n; ++j) {
+    const int pid = cfg_.member_pids[j];
+    if (pid <= 0 || j == cfg_.rank) continue;
+    if (upto > 0 && ctl(j).state.load() >= 1) continue;  // attached: its own pid is watched
+    if (kill(pid, 0) != 0 && errno == ESRCH)
+      throw PeerFailure(label(j) + " (pid " + std::to_string(pid) + ") died before it attached to the job's shared "
+                        "memory; the job re-forms without it");
   }
 }
 
@@ -371,6 +388,7 @@ void ShmSegment::attach(bool creator, double deadline) {
       if (c.state.load() >= 1 && !shm::process_alive(c.pid))
         throw PeerFailure(label(j) + " died while the job was starting");
     }
+    check_members_alive(cfg_.size);
     if (now_s() > deadline)
       throw PeerFailure("only " + std::to_string(h->attached.value.load()) + " of " + std::to_string(cfg_.size) +
                         " ranks attached within " + std::to_string(static_cast<int>(cfg_.attach_timeout_s)) +

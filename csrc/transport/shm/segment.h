@@ -31,6 +31,9 @@ struct ShmConfig {
   std::string report_dir;           // where the launcher collects stall reports (FASTXFER_REPORT_DIR)
   std::vector<int> rank_names;      // the job rank of each rank of the segment, for messages (empty:
                                     // the same numbers; a process set's or another host's differ)
+  std::vector<int> member_pids;     // each rank's process id when the launcher told it (elastic jobs;
+                                    // 0 or empty: unknown): a rank that dies before it attaches is
+                                    // noticed at once instead of after attach_timeout_s
 };
 
 // The counters each rank publishes, one per protocol phase. What a phase means is the business of
@@ -108,6 +111,7 @@ class ShmSegment {
   int stalled_rank(int j, std::string* doing) const;
   void check_lanes(Phase phase, int j, WaitInfo& info);
   void report_stall(int culprit, const std::string& msg) const;
+  void check_members_alive(int upto) const;
 
   ShmConfig cfg_;
   std::string path_;  // the segment's file (path_of(cfg_.name))

@@ -32,7 +32,7 @@ from fastxfer import settings as config
 from fastxfer.settings import horovod as horovod_settings
 from fastxfer.comm import host_rendezvous, launchers, rendezvous, segments
 from fastxfer.comm.mpi import MPIInterHost
-from fastxfer.errors import FastxferError
+from fastxfer.errors import FastxferError, PeerFailureError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +51,7 @@ class Layout:
     mpi_comm: object = None  # COMM_WORLD when the layout came from an MPI rendezvous
     generation: int = 0  # elastic jobs: which generation of the group this is (comm/rendezvous.py)
     clock_offset_us: float = 0.0  # rank 0's steady clock minus this rank's (0 on one host; the timeline)
+    member_pids: tuple[int, ...] = ()  # elastic jobs: each rank's pid, from the launcher (0: unknown)
 
     def host_of_rank(self, r: int) -> int:
         return self.host_of[r] if self.host_of else 0
@@ -163,8 +164,10 @@ def _elastic_layout() -> Layout:
     m = rendezvous.join()
     name = segments.job_segment_name(_launcher_of(job), job, secret, int(m["generation"]))
     rank, size = int(m["rank"]), int(m["size"])
+    pids = m.get("pids")
+    pids = tuple(int(p) for p in pids) if isinstance(pids, list) and len(pids) == size else ()
     return Layout(rank, size, rank, size, segments.path(name), "fastxfer run (elastic)",
-                  generation=int(m["generation"]))
+                  generation=int(m["generation"]), member_pids=pids)
 
 
 def detect_layout(generation: int = 0) -> Layout:
@@ -361,8 +364,19 @@ def init(comm=None, process_sets=None, *, timeout: float | None = None, engine_c
         here = layout.host_of_rank(layout.rank)
         on_host = [r for r in range(layout.size) if layout.host_of_rank(r) == here] if layout.host_of else []
         settings["clock_offset_us"] = layout.clock_offset_us
-        _engine = make_engine(settings, layout.segment, layout.local_rank, layout.local_size, layout.inter_host,
-                              "", layout.rank, on_host)
+        while True:
+            try:
+                _engine = make_engine(settings, layout.segment, layout.local_rank, layout.local_size,
+                                      layout.inter_host, "", layout.rank, on_host, member_pids=layout.member_pids)
+                break
+            except PeerFailureError as e:
+                if not layout.member_pids:
+                    raise
+                # elastic: a member died before the group could start (the launcher re-forms
+                # without it): join the next generation, as a worker whose peer failed later would
+                log.warning("generation %d did not start (%s); joining the next one", layout.generation, e)
+                layout = _elastic_layout()
+                here = layout.host_of_rank(layout.rank)
         _engine.make_current()  # what the native TensorFlow ops submit to (engine/c_api.h)
         _layout = layout
         log.info("rank %d of %d (local rank %d of %d, %d host(s)), started by %s", layout.rank, layout.size,
@@ -421,7 +435,7 @@ def _is_comm_world(comm) -> bool:
 
 
 def make_engine(settings: dict, segment: str, local_rank: int, local_size: int, inter_host, timeline: str,
-                rank: int, segment_ranks=(), job_ranks=()) -> _core.Engine:
+                rank: int, segment_ranks=(), job_ranks=(), member_pids=()) -> _core.Engine:
     """An engine over `segment` with init()'s settings: the job's, or a process set's.
     ``segment_ranks``/``job_ranks``: the job rank of each rank of the segment / of the engine,
     so that its messages name ranks as the user knows them (empty: the same numbers)."""
@@ -430,7 +444,8 @@ def make_engine(settings: dict, segment: str, local_rank: int, local_size: int, 
                         s["threads"], s["cpus"], s["cap"], 1024, s["stream_min"], inter_host, timeline, rank,
                         s["spin_us"], s["stall_warning"], s["report_dir"], list(segment_ranks), list(job_ranks),
                         s.get("net_chunk", 1 << 20), s.get("host_timeout", 0.0), s.get("yield_on_wake", True),
-                        s.get("host_id", ""), s.get("clock_offset_us", 0.0))
+                        s.get("host_id", ""), s.get("clock_offset_us", 0.0), s.get("timeline_mark_cycles", False),
+                        list(member_pids))
 
 
 def settings() -> dict:

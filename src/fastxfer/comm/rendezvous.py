@@ -168,6 +168,7 @@ class Rendezvous:
         self.history: list[Generation] = []
         self.alive: list[str] = []          # started and not exited, in start order
         self.waiting: dict[str, float] = {}  # worker -> when it asked to join
+        self.pids: dict[str, int] = {}  # worker -> its process id (the members learn each other's)
         self.expected: list[str] | None = None  # the next generation's members, while one is forming
         self.forming_since = 0.0
         self.closed: str | None = None
@@ -175,9 +176,10 @@ class Rendezvous:
         self._thread: threading.Thread | None = None
 
     # the launcher's events
-    def started(self, worker: str) -> None:
+    def started(self, worker: str, pid: int = 0) -> None:
         with self.cond:
             self.alive.append(worker)
+            self.pids[worker] = pid
 
     def expect_first(self, workers: list[str]) -> None:
         with self.cond:
@@ -273,7 +275,9 @@ class Rendezvous:
                     return {"error": f"worker {worker} was stopped by the launcher"}
                 gen = self.current
                 if gen is not None and worker in gen.members and worker not in self.waiting:
-                    return {"generation": gen.number, "rank": gen.members.index(worker), "size": len(gen.members)}
+                    # the members' pids: a member that dies before it attaches is noticed at once
+                    return {"generation": gen.number, "rank": gen.members.index(worker), "size": len(gen.members),
+                            "pids": [self.pids.get(w, 0) for w in gen.members]}
                 self.cond.wait(1.0)
 
     def _poll(self, worker: str) -> dict:

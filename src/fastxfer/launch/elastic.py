@@ -83,8 +83,8 @@ class ElasticJob(Job):
 
     def _start_worker(self, worker: int, slot: int, preexec) -> None:
         self.slots[worker] = slot
-        self.rdzv.started(str(worker))
-        self.spawn(worker, preexec, slot=slot)
+        p = self.spawn(worker, preexec, slot=slot)
+        self.rdzv.started(str(worker), p.pid)
 
     def _where(self, worker: int) -> str:
         """'rank r of generation g' for a member of some generation, else 'not yet in the group'."""
