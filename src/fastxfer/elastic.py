@@ -96,6 +96,7 @@ class State:
     def commit(self) -> None:
         """Save the state (the point a failure goes back to), then check_host_updates()."""
         self.save()
+        rendezvous.note_progress()
         self.check_host_updates()
 
     def check_host_updates(self) -> None:

@@ -97,6 +97,41 @@ def test_a_member_that_dies_before_it_attaches_the_others_re_form_at_once(tmp_pa
         ["DONE rank 0 size 2 steps 3", "DONE rank 1 size 2 steps 3"], r.stdout
 
 
+def _done(r):
+    return sorted(ln.split("] ", 1)[1] for ln in r.stdout.splitlines() if "DONE" in ln)
+
+
+def test_a_worker_stopped_before_its_first_init_is_killed_and_the_others_start():
+    """Issue 34 row 13: the first generation waited for ever, in silence, for a SIGSTOPped worker."""
+    t0 = time.monotonic()
+    r = launch(3, "elastic_stop_worker.py", "stop_before_init", launcher_args=elastic(3, 2),
+               env={**ENV, "FASTXFER_ATTACH_TIMEOUT": "300"})
+    ok(r)
+    assert "worker 2 is stopped (SIGSTOP) and cannot rejoin: killing it" in r.stderr, r.stderr
+    assert _done(r) == ["DONE steps 10 size 2"] * 2, r.stdout
+    assert time.monotonic() - t0 < 120
+
+
+def test_a_worker_stopped_in_training_is_a_failure_within_seconds_and_the_resume_time_is_true():
+    """Issue 34 row 13: a SIGSTOPped worker cost FASTXFER_TIMEOUT + FASTXFER_ELASTIC_TIMEOUT (600 s
+    by default) and the summary said "resumed 0.0 s after"."""
+    r = launch(3, "elastic_stop_worker.py", "stop_in_training", launcher_args=elastic(3, 2), env=ENV)
+    ok(r)
+    assert "worker 2 is stopped (SIGSTOP) and cannot rejoin: killing it" in r.stderr, r.stderr
+    assert _done(r) == ["DONE steps 10 size 2"] * 2, r.stdout
+    m = re.search(r"training resumed ([\d.]+) s after the last commit before them", r.stderr)
+    assert m and 4.0 <= float(m[1]) < 60, r.stderr  # the 5 s a stopped peer is given, not 0.0, not 600
+
+
+def test_a_restarted_worker_that_dies_before_joining_is_replaced_while_restarts_remain():
+    r = launch(3, "elastic_stop_worker.py", "restart_dies", launcher_args=elastic(3, 2, "--max-restarts", "2"),
+               env=ENV)
+    ok(r)
+    assert "worker 3 failed before joining the group (exit code 3)" in r.stderr
+    assert "starting worker 4 in its place (0 restart(s) left)" in r.stderr, r.stderr
+    assert _done(r) == ["DONE steps 10 size 3"] * 3, r.stdout
+
+
 def test_rank_0_killed_rank_1_becomes_rank_0():
     r = launch(3, "elastic_np_worker.py", 8, "0@3", launcher_args=elastic(3, 2), env=ENV)
     ok(r)

@@ -89,6 +89,7 @@ const char* phase_what(int phase1) {
 struct ShmSegment::WaitInfo {
   bool warned = false;
   double lanes_since = -1;     // when the cross-lane disagreement was first seen (-1: not seen)
+  double stopped_since = -1;   // when the rank waited for was first seen stopped (SIGSTOP; -1: not seen)
   uint32_t lanes_snapshot[4];  // the counters it was seen with: nothing may move for it to count
 };
 
@@ -552,6 +553,26 @@ void ShmSegment::check_peers(int waiting_for, Phase phase, const char* what, dou
       throw PeerFailure(label(j) + " (pid " + std::to_string(c.pid.pid) + ") died during " + what);
   }
   if (waited_s > 0.5) check_lanes(phase, waiting_for, info);
+  // A stopped process (SIGSTOP, SIGTSTP, a debugger) cannot answer: after kStoppedS stopped it is a
+  // failure, not a stall that waits out FASTXFER_TIMEOUT (an elastic job re-forms without it).
+  constexpr double kStoppedS = 5;
+  if (waited_s > 1) {
+    const Control& w = ctl(waiting_for);
+    const char st = shm::process_state(w.pid);
+    if (st == 'T' || st == 't') {
+      if (info.stopped_since < 0) info.stopped_since = waited_s;
+      if (waited_s - info.stopped_since >= std::min(kStoppedS, cfg_.timeout_s)) {
+        const std::string msg = label(waiting_for) + " (pid " + std::to_string(w.pid.pid) + ") is stopped (SIGSTOP, " +
+                                "SIGTSTP or a debugger) while " + label(cfg_.rank) + " waits for it (" + what +
+                                "): declared failed after " + std::to_string(static_cast<int>(kStoppedS)) +
+                                " s stopped";
+        report_stall(waiting_for, msg);
+        throw PeerFailure(msg);
+      }
+    } else {
+      info.stopped_since = -1;
+    }
+  }
   const bool warn = !info.warned && waited_s > cfg_.stall_warning_s && cfg_.stall_warning_s < cfg_.timeout_s;
   if (warn || waited_s > cfg_.timeout_s) {
     std::string doing;

@@ -71,6 +71,15 @@ def same_secret(given, secret: str) -> bool:
     return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), secret.encode("utf-8", "surrogatepass"))
 
 
+def _process_state(pid: int) -> str:
+    """The state letter of /proc/PID/stat ("R", "S", "T" stopped, ...), "" when gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
 def _read_line(sock: socket.socket) -> bytes:
     buf = bytearray()
     while not buf.endswith(b"\n"):
@@ -89,6 +98,15 @@ def is_elastic() -> bool:
     return settings.is_set(SOCKET_ENV)
 
 
+_progress_at: list[float] = []  # this worker's last commit (time.monotonic(): one clock for the host)
+
+
+def note_progress() -> None:
+    """The state was committed now (fastxfer.elastic): the launcher times a recovery from the
+    members' last progress."""
+    _progress_at[:] = [time.monotonic()]
+
+
 def _request(op: str, timeout: float | None) -> dict:
     path = settings.get(SOCKET_ENV)
     worker = settings.get(WORKER_ENV)
@@ -101,7 +119,10 @@ def _request(op: str, timeout: float | None) -> dict:
         s.settimeout(timeout)
         try:
             _connect(s, path, timeout)
-            s.sendall(json.dumps({"op": op, "worker": str(worker), "secret": secret}).encode() + b"\n")
+            msg = {"op": op, "worker": str(worker), "secret": secret}
+            if op == "join" and _progress_at:
+                msg["progress_at"] = _progress_at[0]
+            s.sendall(json.dumps(msg).encode() + b"\n")
             line = _read_line(s)
         except socket.timeout:
             raise PeerFailureError(f"the elastic launcher did not answer '{op}' within {timeout:g} s") from None
@@ -153,14 +174,19 @@ class Generation:
     number: int
     members: list[str]  # worker ids in rank order
     formed_at: float
+    began: float = 0.0  # when the group stopped: the members' last commit, or the forming began
 
 
 class Rendezvous:
     """The launcher's view of the group: which workers are alive, who is in the current generation,
     who waits to join. Thread-safe; serve() answers the workers' requests on its own threads."""
 
-    def __init__(self, secret: str, directory: str, min_np: int, max_np: int, timeout: float = 60.0):
+    def __init__(self, secret: str, directory: str, min_np: int, max_np: int, timeout: float = 60.0,
+                 start_timeout: float | None = None):
         self.secret = secret
+        # how long the first generation waits for a started worker to reach init() (None: for ever)
+        self.start_timeout = start_timeout
+        self.started_at: dict[str, float] = {}
         self.path = os.path.join(directory, "rendezvous.sock")
         self.min_np, self.max_np, self.timeout = min_np, max_np, timeout
         self.cond = threading.Condition()
@@ -169,6 +195,7 @@ class Rendezvous:
         self.alive: list[str] = []          # started and not exited, in start order
         self.waiting: dict[str, float] = {}  # worker -> when it asked to join
         self.pids: dict[str, int] = {}  # worker -> its process id (the members learn each other's)
+        self.last_progress: float | None = None  # the re-forming members' last commit
         self.expected: list[str] | None = None  # the next generation's members, while one is forming
         self.forming_since = 0.0
         self.closed: str | None = None
@@ -180,6 +207,7 @@ class Rendezvous:
         with self.cond:
             self.alive.append(worker)
             self.pids[worker] = pid
+            self.started_at[worker] = time.monotonic()
 
     def expect_first(self, workers: list[str]) -> None:
         with self.cond:
@@ -214,12 +242,30 @@ class Rendezvous:
                 pass
 
     def overdue(self) -> list[str]:
-        """Expected members that have not asked to join within the timeout of a re-forming (the
-        first generation waits as long as the workers take to start and reach init())."""
+        """Expected members that have not asked to join within the timeout of a re-forming; for the
+        first generation, workers that have not reached init() within start_timeout of their start."""
+        now = time.monotonic()
         with self.cond:
-            if self.expected is None or self.current is None or time.monotonic() - self.forming_since < self.timeout:
+            if self.expected is None:
+                return []
+            if self.current is None:
+                if self.start_timeout is None:
+                    return []
+                return [w for w in self.expected if w not in self.waiting
+                        and now - self.started_at.get(w, now) >= self.start_timeout]
+            if now - self.forming_since < self.timeout:
                 return []
             return [w for w in self.expected if w not in self.waiting]
+
+    def stopped(self) -> list[str]:
+        """Expected members that have not asked to join and whose process is stopped (SIGSTOP):
+        they cannot join; the launcher need not wait out the timeout for them."""
+        with self.cond:
+            if self.expected is None:
+                return []
+            late = [w for w in self.expected if w not in self.waiting]
+            pids = {w: self.pids.get(w, 0) for w in late}
+        return [w for w, pid in pids.items() if pid and _process_state(pid) in ("T", "t")]
 
     def pending(self) -> list[str]:
         """Newcomers waiting to join (not members of the current generation)."""
@@ -249,7 +295,9 @@ class Rendezvous:
         if not self.expected:
             return  # nobody left to form a generation: the launcher ends the job
         number = self.current.number + 1 if self.current else 0
-        gen = Generation(number, list(self.expected), time.monotonic())
+        began = self.forming_since if self.last_progress is None else min(self.forming_since, self.last_progress)
+        gen = Generation(number, list(self.expected), time.monotonic(), began)
+        self.last_progress = None
         self.current = gen
         self.history.append(gen)
         self.expected = None
@@ -257,11 +305,15 @@ class Rendezvous:
             self.waiting.pop(w, None)
         self.cond.notify_all()
 
-    def _join(self, worker: str) -> dict:
+    def _join(self, worker: str, progress_at: float | None = None) -> dict:
         with self.cond:
             if worker not in self.alive:
                 return {"error": f"worker {worker} is not one of this job's running workers"}
             self.waiting[worker] = time.monotonic()
+            if progress_at is not None and self.current is not None and worker in self.current.members \
+                    and progress_at <= self.waiting[worker]:
+                # the group made progress until its members' last commit
+                self.last_progress = max(self.last_progress or progress_at, progress_at)
             if self.expected is None and self.current is not None:
                 if worker in self.current.members:
                     self._begin(after_failure=False)  # a member re-forms: after a failure or at a commit
@@ -365,7 +417,8 @@ class Rendezvous:
             if not same_secret(req.get("secret"), self.secret):
                 reply = {"error": "request refused: not from a worker of this job"}
             elif req.get("op") == "join":
-                reply = self._join(str(req.get("worker")))
+                at = req.get("progress_at")
+                reply = self._join(str(req.get("worker")), at if isinstance(at, (int, float)) else None)
             elif req.get("op") == "poll":
                 reply = self._poll(str(req.get("worker")))
             else:

@@ -46,7 +46,11 @@ class ElasticJob(Job):
         if timeout is None:  # as long as a silent peer may take before the engine gives up on it
             timeout = settings.get("FASTXFER_ELASTIC_TIMEOUT")  # FASTXFER_TIMEOUT when unset
         self.min_np, self.max_np, self.restarts_left = min_np, max_np, max_restarts
-        self.rdzv = Rendezvous(self.secret, self.report_dir, min_np, max_np, timeout)
+        # the first generation waits FASTXFER_ATTACH_TIMEOUT for each started worker to reach init()
+        self.rdzv = Rendezvous(self.secret, self.report_dir, min_np, max_np, timeout,
+                               start_timeout=settings.get("FASTXFER_ATTACH_TIMEOUT"))
+        self.killed_stopped: set[int] = set()
+        self.killed_late: set[int] = set()
         self.slots: dict[int, int] = {}      # worker -> placement slot
         self.failures: list[str] = []        # "worker 2 (rank 2 of generation 0): killed by SIGKILL"
         self.handled: set[int] = set()
@@ -109,7 +113,11 @@ class ElasticJob(Job):
                     self.handled.add(w)
                     code = self.procs[w].returncode
                     failed = code != 0
-                    if w in self.killed_stalled:
+                    if w in self.killed_stopped:
+                        why = "was stopped (SIGSTOP) when the group re-formed: killed"
+                    elif w in self.killed_late:
+                        why = "did not reach fastxfer.init() in time: killed"
+                    elif w in self.killed_stalled:
                         why = "did not come back to the rendezvous in time: killed"
                     else:
                         why = describe_exit(code)
@@ -119,19 +127,14 @@ class ElasticJob(Job):
                         self.failures.append(f"worker {w} (not yet in the group): {why}")
                         with self.lock:
                             say(f"fastxfer run: worker {w} failed before joining the group ({why})")
+                        self._restart(w, preexec)
                     elif failed:
                         self.failures.append(f"worker {w} ({self._where(w)}): {why}")
                         with self.lock:
                             say(f"fastxfer run: worker {w} ({self._where(w)}) failed ({why})")
                         if failure_at is None:
                             failure_at = now
-                        if self.restarts_left > 0 and not self.finishing and self.interrupted is None:
-                            self.restarts_left -= 1
-                            nw = len(self.procs)
-                            with self.lock:
-                                say(f"fastxfer run: starting worker {nw} in its place ({self.restarts_left} "
-                                    "restart(s) left)")
-                            self._start_worker(nw, self.slots[w], preexec)
+                        self._restart(w, preexec)
                     elif not failed and str(w) in self.rdzv.members():
                         self.finishing = True  # a member finished: the job is ending, no restarts
                     self.rdzv.exited(str(w), failed)
@@ -146,23 +149,31 @@ class ElasticJob(Job):
                 if gen is not None and gen.number != gen_seen and gen.number > 0:
                     gen_seen = gen.number
                     if failure_at is not None:
-                        self.resumed.append(time.monotonic() - failure_at)
+                        # from when the group stopped making progress: its members' last commit
+                        # (a stopped or hung worker's exit comes only when it is killed)
+                        self.resumed.append(gen.formed_at - min(failure_at, gen.began or failure_at))
                         failure_at = None
                     with self.lock:
                         say(f"fastxfer run: generation {gen.number}: {len(gen.members)} worker(s) "
                             f"(workers {', '.join(gen.members)} as ranks 0..{len(gen.members) - 1})")
                     self._remove_segment(gen.number - 1)
+                first = self.rdzv.current is None
                 for w in self.rdzv.overdue():
                     wi = int(w)
-                    if wi not in self.killed_stalled and self.procs[wi].poll() is None:
-                        self.killed_stalled.add(wi)
-                        with self.lock:
-                            say(f"fastxfer run: worker {w} did not rejoin within {self.rdzv.timeout:g} s: "
-                                "killing it")
-                        try:
-                            os.killpg(self.procs[wi].pid, signal.SIGKILL)
-                        except (ProcessLookupError, PermissionError):
-                            pass
+                    if wi not in self.killed_stalled | self.killed_late and self.procs[wi].poll() is None:
+                        if first:
+                            self.killed_late.add(wi)
+                            msg = (f"worker {w} did not reach fastxfer.init() within {self.rdzv.start_timeout:g} s "
+                                   "of its start (FASTXFER_ATTACH_TIMEOUT, --start-timeout): killing it")
+                        else:
+                            self.killed_stalled.add(wi)
+                            msg = f"worker {w} did not rejoin within {self.rdzv.timeout:g} s: killing it"
+                        self._kill(wi, msg)
+                for w in self.rdzv.stopped():
+                    wi = int(w)
+                    if wi not in self.killed_stopped and self.procs[wi].poll() is None:
+                        self.killed_stopped.add(wi)
+                        self._kill(wi, f"worker {w} is stopped (SIGSTOP) and cannot rejoin: killing it")
                 if self.finishing and not any(self.procs[int(m)].poll() is None for m in self.rdzv.members()):
                     # the members are done: workers that are not members (restarted ones, waiting to
                     # join or still starting) have nothing left to join
@@ -185,6 +196,23 @@ class ElasticJob(Job):
             segments.remove_segments_of(os.getpid())
             shutil.rmtree(self.report_dir, ignore_errors=True)
         return self._verdict(failed_job)
+
+    def _kill(self, worker: int, message: str) -> None:
+        with self.lock:
+            say(f"fastxfer run: {message}")
+        try:
+            os.killpg(self.procs[worker].pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _restart(self, failed: int, preexec) -> None:
+        """A new worker in the failed one's place, while restarts are left (--max-restarts)."""
+        if self.restarts_left > 0 and not self.finishing and self.interrupted is None:
+            self.restarts_left -= 1
+            nw = len(self.procs)
+            with self.lock:
+                say(f"fastxfer run: starting worker {nw} in its place ({self.restarts_left} restart(s) left)")
+            self._start_worker(nw, self.slots[failed], preexec)
 
     def _remove_segment(self, generation: int) -> None:
         """The old generation's segment, if a rank that died left it behind."""
@@ -209,7 +237,8 @@ class ElasticJob(Job):
                 if self.failures:
                     msg += f"; recovered from {len(self.failures)} failure(s): {recovered}"
                 if self.resumed:
-                    msg += "; training resumed " + ", ".join(f"{s:.1f} s" for s in self.resumed) + " after them"
+                    msg += ("; training resumed " + ", ".join(f"{s:.1f} s" for s in self.resumed) +
+                            " after the last commit before them")
                 say(msg)
                 return 0
             m, code = sorted(bad.items(), key=lambda kv: self.exit_times.get(int(kv[0]), 0))[0]
