@@ -418,6 +418,8 @@ def hosts():
         fx.remove_process_set(ps)
     split = fx.add_process_set(fx.ProcessSet(MPI.COMM_WORLD.Split(color=r % 2, key=r)))
     expect(split.process_set_id == 4 and split.ranks == [r % 2, r % 2 + 2], split)
+    expect((split.included(), split.rank(), split.size()) == (True, r // 2, 2), "a communicator's set's queries")
+    expect(repr(split).startswith(f"ProcessSet(process_set_id=4, ranks={[r % 2, r % 2 + 2]}, mpi_comm=<"), repr(split))
     expect(np.array_equal(fx.allgather(np.array([r]), process_set=split), [r % 2, r % 2 + 2]), "split allgather")
     # {0} and {1, 2, 3}: the second group has 1 rank on host 0 and 2 on host 1, refused on every rank
     uneven = fx.ProcessSet(MPI.COMM_WORLD.Split(color=0 if r == 0 else 1, key=r))

@@ -95,6 +95,11 @@ class ProcessSet:
         ranks = self.ranks
         return ranks.index(r) if r in ranks else None
 
+    @property
+    def removed_id(self) -> int | None:
+        """The id it had, once remove_process_set removed it (None otherwise)."""
+        return self._removed
+
     def invalidate(self) -> None:
         """Forget the registration (remove_process_set, shutdown)."""
         self.process_set_id = None

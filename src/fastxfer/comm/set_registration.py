@@ -129,8 +129,8 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         raise TypeError(f"remove_process_set takes a ProcessSet, not {type(process_set).__name__}")
     if process_set.process_set_id == 0:
         raise ValueError("the global process set cannot be removed: it is every rank of the job (shutdown() ends it)")
-    if process_set.process_set_id is None and process_set._removed is not None:
-        raise ProcessSetRemovedError(f"process set {process_set._removed} (ranks {process_set.ranks}) was removed "
+    if process_set.process_set_id is None and process_set.removed_id is not None:
+        raise ProcessSetRemovedError(f"process set {process_set.removed_id} (ranks {process_set.ranks}) was removed "
                                      "already: remove_process_set takes a set once")
     with process_sets.lock():
         known = process_sets.is_registered(process_set)
