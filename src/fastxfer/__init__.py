@@ -16,7 +16,8 @@ from fastxfer.comm import (Handle, ProcessSet, add_process_set, allgather, allga
                            global_process_set, grouped_reducescatter, init, is_initialized, join, local_rank,
                            local_size, oob_allreduce, rank, reducescatter, remove_process_set, shutdown, size)
 from fastxfer.compression import compress, decompress
-from fastxfer.errors import FastxferError, MismatchError, PeerFailureError
+from fastxfer.errors import (FastxferError, MismatchError, NotInProcessSetError, PeerFailureError,
+                             ProcessSetRemovedError)
 
 # The process-wide native settings (FASTXFER_SIMD, FASTXFER_THREADS, FASTXFER_OUTPUT_POOL_MB), read
 # through fastxfer.settings and handed to the core before anything runs a kernel; a bad value fails
@@ -69,7 +70,9 @@ __all__ = [
     "shutdown",
     "size",
     "MismatchError",
+    "NotInProcessSetError",
     "PeerFailureError",
+    "ProcessSetRemovedError",
     "__version__",
     "compress",
     "decompress",

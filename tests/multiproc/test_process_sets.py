@@ -15,7 +15,10 @@ ENV = {"TF_CPP_MIN_LOG_LEVEL": "3"}
 
 def test_numpy_collectives_on_process_sets_registration_and_removal():
     """Every collective in a set, sets running concurrently with each other and with the global set,
-    errors that name the problem, removal (unmapped, ids not reused), init(process_sets=...)."""
+    Horovod's repr and the queries on every rank, NotInProcessSetError from every collective kind
+    on a set this rank is not in (the next collective works), errors that name the problem, removal
+    (unmapped, collectives on it name its id, removing twice refused, ids not reused),
+    init(process_sets=...)."""
     assert_ok(launch(3, W, "numpy", env=ENV), 3, "numpy")
 
 
@@ -39,7 +42,10 @@ def test_a_rank_that_exits_while_a_set_peer_waits_fails_the_job_promptly():
 @pytest.mark.parametrize("native", ["1", "0"], ids=["native-ops", "numpy_function-bridge"])
 def test_tensorflow_and_keras_in_process_sets(native, request):
     """hvd collectives eager and in tf.function, size_op/process_set_included_op, objects,
-    DistributedGradientTape and DistributedOptimizer(process_set=...) on a Keras model."""
+    DistributedGradientTape and DistributedOptimizer(process_set=...) on a Keras model; a rank
+    outside the set keeps its own gradients (tape, model.fit, apply_gradients; eager and traced;
+    exact values); every collective on a set this rank is not in raises an error that is both
+    tf.errors.InvalidArgumentError and fx.FastxferError; removed and duplicate sets."""
     if native == "1":  # in the shared 3-rank Keras 3 job (conftest.py); the bridge is chosen per process
         r = script_output(request.getfixturevalue("keras3_three_ranks_job")[0], "process_sets_tensorflow", 3)
     else:

@@ -18,6 +18,15 @@ from _checks import expect, expect_raises  # noqa: E402
 MODE = sys.argv[1]
 
 
+def raised(fn) -> BaseException:
+    """The exception `fn()` raises (an AssertionError when it raises none)."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the caller checks which kind it is
+        return e
+    raise AssertionError(f"{fn} raised nothing")
+
+
 def numpy_sets():
     fx.init()
     r, n = fx.rank(), fx.size()
@@ -26,9 +35,16 @@ def numpy_sets():
     odd = fx.add_process_set(fx.ProcessSet([1]))
     pair = fx.add_process_set([1, 2])
     expect([p.process_set_id for p in (even, odd, pair)] == [1, 2, 3], (even, odd, pair))
-    expect(even.ranks == [0, 2] and even.size() == 2 and repr(even) == "ProcessSet(process_set_id=1, ranks=[0, 2])",
-           repr(even))
-    expect(even.rank() == {0: 0, 1: None, 2: 1}[r] and even.included() == (r != 1), "rank()/included()")
+    # Horovod's repr and str, the global set with its real ranks
+    expect(even.ranks == [0, 2] and even.size() == 2 and repr(even) == str(even) ==
+           "ProcessSet(process_set_id=1, ranks=[0, 2], mpi_comm=None)", repr(even))
+    expect(str(fx.global_process_set) == "ProcessSet(process_set_id=0, ranks=[0, 1, 2], mpi_comm=None)",
+           str(fx.global_process_set))
+    # the queries answer on every rank, members or not
+    expect([(p.included(), p.rank(), p.size()) for p in (even, odd, pair)] ==
+           {0: [(True, 0, 2), (False, None, 1), (False, None, 2)],
+            1: [(False, None, 2), (True, 0, 1), (True, 0, 2)],
+            2: [(True, 1, 2), (False, None, 1), (True, 1, 2)]}[r], "included()/rank()/size()")
     mine = odd if r == 1 else even
 
     # allreduce: sum, average (divides by the set's size), in and out of place
@@ -83,9 +99,20 @@ def numpy_sets():
     del handles, h  # a Handle keeps its engine (and so the set's mapping) alive
 
     # errors that name the problem
-    if r == 1:
-        expect_raises(fx.FastxferError, lambda: fx.allreduce(x, process_set=even),
-                      "rank 1 is not in ProcessSet(process_set_id=1, ranks=[0, 2])")
+    # a set this rank is not in: NotInProcessSetError (a FastxferError) from every collective kind,
+    # and the next collective works
+    outside = odd if r != 1 else even
+    for kind, call in (("allreduce", lambda: fx.allreduce(x, process_set=outside)),
+                       ("allreduce_async", lambda: fx.allreduce_async(x, process_set=outside)),
+                       ("allgather", lambda: fx.allgather(x, process_set=outside)),
+                       ("broadcast", lambda: fx.broadcast(x, root=outside.ranks[0], process_set=outside)),
+                       ("alltoall", lambda: fx.alltoall(x, process_set=outside)),
+                       ("reducescatter", lambda: fx.reducescatter(x, process_set=outside)),
+                       ("barrier", lambda: fx.barrier(process_set=outside))):
+        e = raised(call)
+        expect(isinstance(e, fx.NotInProcessSetError) and isinstance(e, fx.FastxferError)
+               and f"rank {r} is not in {outside!r}: only its ranks may run its collectives" in str(e), (kind, e))
+    expect(np.array_equal(fx.allreduce(np.ones(2), op="sum"), [3.0, 3.0]), "the next collective after the errors")
     expect_raises(ValueError, lambda: fx.broadcast(x, root=1 if r != 1 else 0, process_set=mine),
                   "is not in the process set")
     expect_raises(ValueError, lambda: fx.allreduce(x, process_set=fx.ProcessSet([0])), "is not registered")
@@ -107,14 +134,22 @@ def numpy_sets():
     expect(fx.remove_process_set(even) is True, "removed")
     fx.barrier()
     expect(not mapped() and not os.path.exists(seg), f"{seg} left behind")
-    expect(fx.remove_process_set(even) is False, "removing twice")
-    expect_raises(ValueError, lambda: fx.allreduce(x, process_set=even), "is not registered")
+    # removed: every collective on it names the id it had, on every rank; removing twice is refused
+    expect(repr(even) == "ProcessSet(process_set_id=None, ranks=[0, 2], mpi_comm=None)", repr(even))
+    removed = "process set 1 (ranks [0, 2]) was removed by remove_process_set"
+    expect_raises(fx.ProcessSetRemovedError, lambda: fx.allreduce(x, process_set=even), removed)
+    expect_raises(ValueError, lambda: fx.allgather(x, process_set=even), removed)
+    expect_raises(fx.ProcessSetRemovedError, lambda: fx.remove_process_set(even), "process set 1 (ranks [0, 2]) was "
+                  "removed already")
+    expect(fx.remove_process_set(fx.ProcessSet([0, 1])) is False, "removing a set never registered")
     again = fx.add_process_set([0, 2])
     expect(again.process_set_id == 4, again)
     if r != 1:
         expect(np.array_equal(fx.allreduce(x, op="sum", process_set=again), x * 0 + sum(
             np.arange(5, dtype=np.float32) + 100 * q for q in (0, 2))), "re-added set")
     fx.shutdown()
+    expect(repr(fx.global_process_set) == "ProcessSet(process_set_id=0, ranks=[], mpi_comm=None)",
+           repr(fx.global_process_set))
     # a new job numbers from 1 again; init(process_sets=...) registers them (Horovod's static form)
     static = [fx.ProcessSet([0, 1]), fx.ProcessSet([2])]
     fx.init(process_sets=static)
@@ -207,11 +242,127 @@ def tensorflow_sets():
     every = htf.allgather_object(flatw)
     expect(np.array_equal(every[0], every[2]), "the even set's ranks hold identical weights")
     expect(not np.array_equal(every[0], every[1]), "the two sets trained apart")
-    if r == 1:
-        expect_raises(fx.FastxferError, lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), process_set=even),
-                      "rank 1 is not in")
+    outside_the_set(tf, keras, hvd, htf, even, odd)
     hvd.shutdown()
     print(f"OK tensorflow rank {r}", flush=True)
+
+
+def outside_the_set(tf, keras, hvd, htf, even, odd):
+    """Horovod's rules for a rank outside a set (even = [0, 2], odd = [1], on 3 ranks): the tape and
+    DistributedOptimizer leave its gradients alone (exact values), every collective raises an
+    error that is both tf.errors.InvalidArgumentError and fx.FastxferError, and the next collective
+    works; Horovod's repr; removed and duplicate sets."""
+    r = hvd.rank()
+    expect(repr(even) == str(even) == "ProcessSet(process_set_id=1, ranks=[0, 2], mpi_comm=None)", repr(even))
+    expect(str(htf.global_process_set) == "ProcessSet(process_set_id=0, ranks=[0, 1, 2], mpi_comm=None)",
+           str(htf.global_process_set))
+    expect([(p.included(), p.rank(), p.size()) for p in (even, odd)] ==
+           {0: [(True, 0, 2), (False, None, 1)], 1: [(False, None, 2), (True, 0, 1)],
+            2: [(True, 1, 2), (False, None, 1)]}[r], "included()/rank()/size()")
+
+    # DistributedGradientTape(process_set=even) on every rank: d/dw sum(w * c) = c, c = (r+1)^2 * [1, 2, 3];
+    # ranks 0 and 2 average theirs, (1 + 9) / 2 = 5; rank 1 keeps its own, 4 -- eagerly and traced
+    c = tf.constant(np.array([1, 2, 3], np.float32) * (r + 1) ** 2)
+    want = np.array([1, 2, 3], np.float32) * (4 if r == 1 else 5)
+    v = tf.Variable(np.ones(3, np.float32))
+
+    def tape_grad():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(v * c)
+        return htf.DistributedGradientTape(tape, process_set=even).gradient(loss, [v])[0]
+
+    for how, g in (("eager", tape_grad()), ("function", tf.function(tape_grad)())):
+        expect(np.array_equal(g.numpy(), want), f"tape {how}: {g.numpy()} != {want}")
+
+    # DistributedOptimizer(process_set=even) on every rank: one SGD step (lr 1/8) of y = x w from
+    # w = 0 on a batch of 4, mse: g = -2/4 X^T y. Small integers: every value is exact in float32.
+    xs = np.array([[[1, 2], [0, 1], [2, 0], [1, 1]], [[3, 0], [1, 2], [0, 0], [2, 1]],
+                   [[0, 1], [1, 0], [1, 3], [2, 2]]], np.float32)
+    ys = np.array([[1, 2, 0, 3], [2, 1, 1, 0], [3, 0, 1, 2]], np.float32)[..., None]
+    grads = [-0.5 * xs[q].astype(np.float64).T @ ys[q] for q in range(3)]
+    step = {1: grads[1]}.get(r, (grads[0] + grads[2]) / 2)
+    want_w = (-0.125 * step).astype(np.float32)
+
+    def fresh_model():
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, use_bias=False,
+                                                                        kernel_initializer="zeros")])
+        return model, hvd.DistributedOptimizer(keras.optimizers.SGD(0.125), process_set=even)
+
+    for run_eagerly in (False, True):
+        model, opt = fresh_model()
+        model.compile(optimizer=opt, loss="mse", run_eagerly=run_eagerly)
+        model.fit(xs[r], ys[r], batch_size=4, epochs=1, verbose=0, shuffle=False)
+        got = model.weights[0].numpy()
+        expect(np.array_equal(got, want_w), f"model.fit (run_eagerly={run_eagerly}): {got.ravel()} != "
+                                            f"{want_w.ravel()}")
+    model, opt = fresh_model()
+    x_t, y_t = tf.constant(xs[r]), tf.constant(ys[r])
+
+    def apply_step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x_t) - y_t) ** 2)
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_weights), model.trainable_weights))
+
+    apply_step()  # eagerly
+    expect(np.array_equal(model.weights[0].numpy(), want_w), f"apply_gradients eager: {model.weights[0].numpy()}")
+    tf.function(apply_step)()  # the second step, traced: w2 = w1 - lr * (the same rule at w1)
+    w1 = want_w.astype(np.float64)
+    g2 = [2 / 4 * xs[q].astype(np.float64).T @ (xs[q] @ w1 - ys[q]) for q in range(3)]
+    want_w2 = w1 - 0.125 * {1: g2[1]}.get(r, (g2[0] + g2[2]) / 2)
+    expect(np.array_equal(model.weights[0].numpy(), want_w2.astype(np.float32)),
+           f"apply_gradients traced: {model.weights[0].numpy().ravel()} != {want_w2.ravel()}")
+
+    # every collective on a set this rank is not in: InvalidArgumentError and FastxferError, eagerly
+    # and in a tf.function, and the next collective works
+    outside = odd if r != 1 else even
+    t = tf.constant(np.arange(4, dtype=np.float32))
+    kinds = {"allreduce": lambda: htf.allreduce(t, process_set=outside),
+             "grouped_allreduce": lambda: htf.grouped_allreduce([t, t], process_set=outside),
+             "allgather": lambda: htf.allgather(t, process_set=outside),
+             "grouped_allgather": lambda: htf.grouped_allgather([t], process_set=outside),
+             "broadcast": lambda: htf.broadcast(t, root_rank=outside.ranks[0], process_set=outside),
+             "alltoall": lambda: htf.alltoall(t, process_set=outside),
+             "reducescatter": lambda: htf.reducescatter(t, process_set=outside),
+             "grouped_reducescatter": lambda: htf.grouped_reducescatter([t], process_set=outside)}
+    text = f"rank {r} is not in {outside!r}: only its ranks may run its collectives"
+    for kind, call in kinds.items():
+        for how, fn in (("eager", call), ("function", tf.function(call))):
+            e = raised(fn)
+            expect(isinstance(e, tf.errors.InvalidArgumentError) and isinstance(e, fx.FastxferError)
+                   and isinstance(e, fx.NotInProcessSetError) and text in str(e), f"{kind} {how}: {e!r}")
+    e = raised(lambda: htf.broadcast_variables([v], root_rank=outside.ranks[0], process_set=outside))
+    expect(isinstance(e, tf.errors.InvalidArgumentError) and isinstance(e, fx.FastxferError), f"broadcast_variables: {e!r}")
+    e = raised(lambda: htf.allgather_object(r, process_set=outside))
+    expect(isinstance(e, tf.errors.InvalidArgumentError) and isinstance(e, fx.FastxferError), f"allgather_object: {e!r}")
+    expect(np.array_equal(htf.allreduce(t, op=htf.Sum).numpy(), 3 * np.arange(4, dtype=np.float32)),
+           "the next collective after the errors")
+
+    # a set with the ranks of a registered one: ValueError (Horovod); the global set cannot be removed
+    expect_raises(ValueError, lambda: htf.add_process_set([2, 0]), "a process set with ranks")
+    expect_raises(ValueError, lambda: htf.remove_process_set(htf.global_process_set), "cannot be removed")
+    # removed: every call on it names its id, as fastxfer's error and InvalidArgumentError (and a
+    # ValueError); removing twice is refused; ids are not reused
+    pair = htf.add_process_set([1, 2])
+    expect(pair.process_set_id == 3, pair)
+    traced = tf.function(lambda: htf.allreduce(t, op=htf.Sum, process_set=pair))
+    if pair.included():
+        expect(np.array_equal(traced().numpy(), 2 * np.arange(4, dtype=np.float32)), "pair before removal")
+    expect(htf.remove_process_set(pair) is True, "removed")
+    removed = "process set 3 (ranks [1, 2]) was removed by remove_process_set"
+    for how, fn in (("eager", lambda: htf.allreduce(t, process_set=pair)),
+                    ("function", tf.function(lambda: htf.allgather(t, process_set=pair))),
+                    ("tape", lambda: htf.DistributedGradientTape(tf.GradientTape(), process_set=pair))):
+        e = raised(fn)
+        expect(isinstance(e, tf.errors.InvalidArgumentError) and isinstance(e, fx.ProcessSetRemovedError)
+               and isinstance(e, ValueError) and removed in str(e), f"{how}: {e!r}")
+    # the function traced before the removal (on ranks 1 and 2; rank 0 traces it now): its ops name the id
+    e = raised(traced)
+    expect(isinstance(e, (tf.errors.InvalidArgumentError, ValueError)) and "process set 3" in str(e)
+           and "removed" in str(e), f"traced before removal: {e!r}")
+    expect_raises(fx.ProcessSetRemovedError, lambda: htf.remove_process_set(pair), "was removed already")
+    again = htf.add_process_set([1, 2])
+    expect(again.process_set_id == 4, again)
+    expect(htf.remove_process_set(again) is True, "removed again")
 
 
 def leaves():
@@ -267,6 +418,8 @@ def hosts():
         fx.remove_process_set(ps)
     split = fx.add_process_set(fx.ProcessSet(MPI.COMM_WORLD.Split(color=r % 2, key=r)))
     expect(split.process_set_id == 4 and split.ranks == [r % 2, r % 2 + 2], split)
+    expect((split.included(), split.rank(), split.size()) == (True, r // 2, 2), "a communicator's set's queries")
+    expect(repr(split).startswith(f"ProcessSet(process_set_id=4, ranks={[r % 2, r % 2 + 2]}, mpi_comm=<"), repr(split))
     expect(np.array_equal(fx.allgather(np.array([r]), process_set=split), [r % 2, r % 2 + 2]), "split allgather")
     # {0} and {1, 2, 3}: the second group has 1 rank on host 0 and 2 on host 1, refused on every rank
     uneven = fx.ProcessSet(MPI.COMM_WORLD.Split(color=0 if r == 0 else 1, key=r))

@@ -10,7 +10,8 @@ are (csrc/engine/request_builder.h): an average's 1/size is applied there, by th
 the request.
 
 Errors name the argument and the fix: ``TypeError`` for a wrong type, ``ValueError`` for a wrong
-value, ``FastxferError`` for a process set this rank is not in.
+value (``ProcessSetRemovedError`` for a removed process set), ``NotInProcessSetError`` (a
+FastxferError) for a process set this rank is not in.
 """
 
 from __future__ import annotations
@@ -156,9 +157,11 @@ def root_index(root, ranks) -> int:
 
 
 def allreduce(op="average", compression="none", prescale=1.0, postscale=1.0, bucket_cap_mb=None, process_set=None,
-              name=None, compressors: bool = False) -> CollectiveOptions:
-    """Options of an allreduce (``compressors``: a user compressor object is allowed, TensorFlow)."""
-    ps = process_sets.resolve(process_set)
+              name=None, compressors: bool = False, members_only: bool = True) -> CollectiveOptions:
+    """Options of an allreduce (``compressors``: a user compressor object is allowed, TensorFlow;
+    ``not members_only``: a process set this rank is not in is allowed -- a gradient reduction,
+    which then leaves this rank's gradients alone, as Horovod does)."""
+    ps = process_sets.resolve(process_set, members_only)
     wire, user = check_compression(compression, compressors)
     return CollectiveOptions("allreduce", check_op(op), wire, user, check_scale("prescale", prescale),
                              check_scale("postscale", postscale), ps, bucket_cap=_validate.bucket_cap_bytes(bucket_cap_mb),

@@ -18,7 +18,21 @@ an average divides by the set's size, an alltoall's splits have one entry per ra
 A set costs one engine thread per member (asleep unless the set is used) and a segment per host
 of 4 KiB + k x (1.38 MiB + FASTXFER_SHM_WINDOW_MB) for k members there. ``remove_process_set``
 (collective again) stops it and frees that memory; ``shutdown()`` stops every set first.
-Ids are never reused within a job (Horovod's numbering: the global set is 0, then 1, 2, ...).
+
+Horovod's rules, and where fastxfer differs:
+
+- A collective on a set this rank is not in raises NotInProcessSetError (in fastxfer.tensorflow
+  also a tf.errors.InvalidArgumentError); DistributedGradientTape and DistributedOptimizer on such
+  a rank return its gradients as they are (Horovod's ``_allreduce_cond``).
+- Registering a set with the same ranks as a registered one is a ValueError; so is removing the
+  global set (Horovod's remove_process_set returns False there: a call that cannot do what it
+  says is an error in fastxfer) and removing a set twice (Horovod trips an assert).
+- A collective on a removed set raises ProcessSetRemovedError (a ValueError) naming its id.
+- Ids: the global set is 0, then 1, 2, ... . Horovod hands a removed set's id to the next set
+  registered; fastxfer never reuses an id within a job (``shutdown()`` starts again from 1). A
+  ``tf.function`` traced on a set keeps the set's id in its ops: with reuse it would silently run
+  on whatever set got the id next (other ranks, another size for its averages); with fresh ids it
+  fails, naming the id.
 """
 
 from __future__ import annotations
@@ -30,7 +44,7 @@ import numpy as np
 
 from fastxfer import _core
 from fastxfer.comm import group
-from fastxfer.errors import FastxferError
+from fastxfer.errors import NotInProcessSetError, ProcessSetRemovedError
 
 _lock = threading.RLock()
 
@@ -48,6 +62,7 @@ class ProcessSet:
         self.mpi_comm = None
         self._engine: _core.Engine | None = None
         self._ranks: list[int] | None = None
+        self._removed: int | None = None  # the id it had, once remove_process_set removed it
         if ranks_or_comm is None:
             return
         if hasattr(ranks_or_comm, "Get_group") and hasattr(ranks_or_comm, "Get_size"):
@@ -80,6 +95,11 @@ class ProcessSet:
         ranks = self.ranks
         return ranks.index(r) if r in ranks else None
 
+    @property
+    def removed_id(self) -> int | None:
+        """The id it had, once remove_process_set removed it (None otherwise)."""
+        return self._removed
+
     def invalidate(self) -> None:
         """Forget the registration (remove_process_set, shutdown)."""
         self.process_set_id = None
@@ -104,8 +124,13 @@ class ProcessSet:
         return hash(self.process_set_id)
 
     def __repr__(self):
-        ranks = "all" if self.process_set_id == 0 else self._ranks
-        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={ranks})"
+        # Horovod's form; the global set's ranks are every rank once the job is known ([] before)
+        ranks = self._ranks
+        if self.process_set_id == 0:
+            ranks = list(range(group.size())) if group.is_initialized() else []
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={ranks}, mpi_comm={self.mpi_comm})"
+
+    __str__ = __repr__
 
 
 global_process_set = ProcessSet()
@@ -186,9 +211,11 @@ def _leave_all() -> None:
 group.at_exit(_leave_all)
 
 
-def resolve(process_set) -> ProcessSet | None:
+def resolve(process_set, members_only: bool = True) -> ProcessSet | None:
     """The registered set a collective runs on: None for the global set (or process_set=None).
-    Raises ValueError when the set is not registered and FastxferError when this rank is not in it."""
+    Raises ProcessSetRemovedError (a ValueError) for a removed set, ValueError for one that is not
+    registered, and NotInProcessSetError when this rank is not in it -- unless ``not members_only``
+    (a gradient reduction, which leaves such a rank's gradients alone): then the set is returned."""
     if process_set is None or process_set is global_process_set:
         return None
     group.engine()  # not initialised, or a forked child: that error first
@@ -197,11 +224,20 @@ def resolve(process_set) -> ProcessSet | None:
     pid = process_set.process_set_id
     if pid == 0:
         return None
+    if pid is None and process_set._removed is not None:
+        raise removed_error(process_set)
     if pid is None or _sets.get(pid) is not process_set:
         raise ValueError(f"{process_set!r} is not registered: call add_process_set first (on every rank)")
-    if process_set._engine is None:
-        raise FastxferError(f"rank {group.rank()} is not in {process_set!r}: only its ranks may run its collectives")
+    if process_set._engine is None and members_only:
+        raise NotInProcessSetError(f"rank {group.rank()} is not in {process_set!r}: only its ranks may run its "
+                                   "collectives (ask process_set.included() before calling)")
     return process_set
+
+
+def removed_error(ps: ProcessSet) -> ProcessSetRemovedError:
+    return ProcessSetRemovedError(f"process set {ps._removed} (ranks {ps.ranks}) was removed by remove_process_set: "
+                                  "its collectives can no longer run; register the ranks again with add_process_set "
+                                  "(on every rank) and use the set it returns")
 
 
 def by_id(process_set_id: int) -> ProcessSet:
@@ -220,6 +256,8 @@ def engine_of(ps: ProcessSet | None) -> _core.Engine:
         return group.engine()
     eng = ps._engine
     if eng is None:  # removed meanwhile
+        if ps._removed is not None:
+            raise removed_error(ps)
         raise ValueError(f"{ps!r} is not registered")
     return eng
 
@@ -244,6 +282,7 @@ def record(ps: ProcessSet, engine) -> None:
     global _next_id
     with _lock:
         ps.process_set_id = _next_id
+        ps._removed = None
         ps.set_engine(engine)
         _sets[_next_id] = ps
         _next_id += 1
@@ -254,9 +293,11 @@ def is_registered(ps: ProcessSet) -> bool:
 
 
 def forget(ps: ProcessSet) -> None:
-    """Stop `ps` (stop()) and drop it from the registry."""
+    """Stop `ps` (stop()) and drop it from the registry (remove_process_set): later collectives on
+    it raise ProcessSetRemovedError naming the id it had."""
     with _lock:
         pid = ps.process_set_id
+        ps._removed = pid
         stop(ps)
         _sets.pop(pid, None)
 

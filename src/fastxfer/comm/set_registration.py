@@ -12,7 +12,7 @@ import numpy as np
 
 from fastxfer.comm import collectives, group, process_sets
 from fastxfer.comm.process_sets import ProcessSet
-from fastxfer.errors import MismatchError
+from fastxfer.errors import MismatchError, ProcessSetRemovedError
 
 
 def _digest(words: list[int]) -> np.ndarray:
@@ -120,13 +120,18 @@ def add_process_set(process_set) -> ProcessSet:
 
 def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister a process set: collective on every rank of the job, like add_process_set. Its
-    ranks stop its engine (collectively among themselves) and free its shared memory. Returns
-    True; False when the set was not registered (on every rank alike)."""
+    ranks stop its engine (collectively among themselves) and free its shared memory; later
+    collectives on it raise ProcessSetRemovedError naming its id. Returns True; False when the set
+    was never registered (on every rank alike). ValueError for the global set and for a set that
+    was removed already (ProcessSetRemovedError: every rank removed it, so every rank raises)."""
     group.engine()
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"remove_process_set takes a ProcessSet, not {type(process_set).__name__}")
     if process_set.process_set_id == 0:
-        raise ValueError("the global process set cannot be removed")
+        raise ValueError("the global process set cannot be removed: it is every rank of the job (shutdown() ends it)")
+    if process_set.process_set_id is None and process_set.removed_id is not None:
+        raise ProcessSetRemovedError(f"process set {process_set.removed_id} (ranks {process_set.ranks}) was removed "
+                                     "already: remove_process_set takes a set once")
     with process_sets.lock():
         known = process_sets.is_registered(process_set)
         pid = process_set.process_set_id if known else -1

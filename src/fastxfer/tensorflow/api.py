@@ -16,7 +16,9 @@ TensorFlow is done here too:
 - ``device_dense``, ``device_sparse``, ``ignore_name_scope`` are accepted and have no effect (the
   collectives run on the host; names are never scoped);
 - ``process_set``: a registered set (fastxfer.comm.process_sets) runs the collective among its
-  ranks, on its own engine; a broadcast's root is then a rank of the job inside the set.
+  ranks, on its own engine; a broadcast's root is then a rank of the job inside the set. On a
+  set this rank is not in, every collective raises an error that is both fastxfer's
+  NotInProcessSetError and Horovod's tf.errors.InvalidArgumentError (errors.py).
 
 ``join`` is the engine's (fastxfer.join), eagerly, on the global set.
 """
@@ -33,6 +35,7 @@ from fastxfer.comm import options
 from fastxfer.tensorflow import gradients, ops
 from fastxfer.tensorflow.basics import global_process_set
 from fastxfer.tensorflow.compression import Compression
+from fastxfer.tensorflow.errors import tf_errors
 
 # Python that builds graphs without data-dependent control flow: nothing for AutoGraph to convert
 _no_autograph = tf.autograph.experimental.do_not_convert
@@ -85,6 +88,7 @@ def _sparse(s: tf.IndexedSlices, opts, name) -> tf.IndexedSlices:
 
 
 @_no_autograph
+@tf_errors
 def allreduce(tensor, average=None, device_dense="", device_sparse="", compression=Compression.none, op=None,
               prescale_factor=1.0, postscale_factor=1.0, name=None, process_set=global_process_set,
               ignore_name_scope=False):
@@ -98,6 +102,7 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
 
 
 @_no_autograph
+@tf_errors
 def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", compression=Compression.none,
                       op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set,
                       ignore_name_scope=False, name=None, names=None, order=None, bucket_cap_mb=None):
@@ -132,12 +137,14 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
 
 
 @_no_autograph
+@tf_errors
 def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
     """Concatenation of every rank's tensor along the first dimension (which may differ between ranks)."""
     return gradients.allgather(tensor, options.gather("allgather", process_set, name))
 
 
 @_no_autograph
+@tf_errors
 def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=global_process_set):
     """allgather of each tensor of a list."""
     opts = options.gather("allgather", process_set, name)
@@ -146,12 +153,14 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=g
 
 
 @_no_autograph
+@tf_errors
 def broadcast(tensor, root_rank=0, name=None, ignore_name_scope=False, process_set=global_process_set):
     """Every rank gets root_rank's tensor (in a process set: a rank of the job in that set)."""
     return gradients.broadcast(tensor, options.broadcast(root_rank, process_set, name))
 
 
 @_no_autograph
+@tf_errors
 def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
     """Broadcast root_rank's values into ``variables`` in place; returns their new values."""
     from fastxfer.tensorflow.functions import broadcast_variables
@@ -162,6 +171,7 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
 
 
 @_no_autograph
+@tf_errors
 def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_set=global_process_set):
     """Horovod's alltoall: rank r sends the j-th block of rows of ``tensor`` (axis 0; sizes
     ``splits``, a vector of one int per rank -- of the process set, in its order --, default an
@@ -173,6 +183,7 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
 
 
 @_no_autograph
+@tf_errors
 def reducescatter(tensor, device_dense="", compression=Compression.none, op=Average, name=None,
                   ignore_name_scope=False, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
     """Horovod's reducescatter: reduce ``tensor`` (same shape on every rank) with ``op`` (Average or
@@ -185,6 +196,7 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Aver
 
 
 @_no_autograph
+@tf_errors
 def grouped_reducescatter(tensors, device_dense="", compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
     """reducescatter of every tensor in the list: all submitted (in list order) before any result is

@@ -13,6 +13,7 @@ from fastxfer.comm import options
 from fastxfer.comm.process_sets import resolve as resolve_process_set
 from fastxfer.tensorflow import ops
 from fastxfer.tensorflow.basics import global_process_set
+from fastxfer.tensorflow.errors import tf_errors
 
 try:  # Horovod pickles with cloudpickle (lambdas, local classes); plain pickle when it is missing
     import cloudpickle as _pickle
@@ -25,6 +26,7 @@ __all__ = ["allgather_object", "broadcast_global_variables", "broadcast_object",
 
 
 @tf.autograph.experimental.do_not_convert  # nothing to convert; converting it slows tracing down
+@tf_errors
 def broadcast_variables(variables, root_rank=0, process_set=global_process_set, name=None):
     """Assign root_rank's values to ``variables`` on every rank (tf.Variable or Keras 3 Variable),
     eagerly or inside a tf.function."""
@@ -56,6 +58,7 @@ def _words(obj) -> tuple[np.ndarray, int]:
     return np.frombuffer(data + b"\0" * (-len(data) % 8), np.int64).copy(), len(data)
 
 
+@tf_errors
 def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=global_process_set):
     """Returns root_rank's ``obj`` (any picklable object; cloudpickle when installed) on every rank.
     ``name`` names the two broadcasts it makes (it must be the same on every rank; by default they
@@ -72,6 +75,7 @@ def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=glob
     return obj if me == root_rank else _unpickle.loads(got.tobytes()[:n])
 
 
+@tf_errors
 def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global_process_set):
     """A function ``f(obj)`` that broadcasts ``obj`` from root_rank (Horovod's broadcast_object_fn)."""
     resolve_process_set(process_set)
@@ -82,6 +86,7 @@ def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global
     return broadcast_fn
 
 
+@tf_errors
 def allgather_object(obj, session=None, name=None, process_set=global_process_set):
     """A list with every rank's ``obj``, in rank order (any picklable objects, of any sizes)."""
     ps = resolve_process_set(process_set)

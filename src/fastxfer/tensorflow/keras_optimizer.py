@@ -288,7 +288,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
       compatibility and have no effect: the engine fuses gradients into buckets by itself and
       runs on the host.
     - ``process_set``: reduce among that registered set's ranks only (an average divides by its
-      size); every rank of the set must wrap its optimizer with the same set.
+      size); every rank of the set must wrap its optimizer with the same set. A rank outside the
+      set applies its own gradients, unreduced (Horovod's rule).
     - ``name``: unused (Keras 3 optimizers keep their own name).
 
     The result has ``register_local_var(var)``. Under ``mixed_float16`` (set before this call) or

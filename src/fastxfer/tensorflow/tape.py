@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from fastxfer.comm import options
+from fastxfer.comm import options, process_sets
 from fastxfer.comm.options import CollectiveOptions
 from fastxfer.tensorflow import ops, overlap
 from fastxfer.tensorflow.basics import global_process_set
 from fastxfer.tensorflow.compression import Compression
+from fastxfer.tensorflow.errors import tf_errors
 
 # fastxfer's Python builds graphs without data-dependent Python control flow: AutoGraph has nothing
 # to convert in it, and converting it call by call made tracing a model's step many times slower
@@ -89,6 +90,7 @@ class GradientReduction:
         self.prefix = prefix
 
 
+@tf_errors
 def gradient_options(op=ops.Average, compression=Compression.none, gradient_predivide_factor=1.0,
                      bucket_cap_mb=None, process_set=None) -> CollectiveOptions:
     """The allreduce options of a gradient reduction (``op`` None: Average). A predivide factor f
@@ -102,7 +104,9 @@ def gradient_options(op=ops.Average, compression=Compression.none, gradient_pred
     if f != 1.0 and op != ops.Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     pre, post = (1.0 / f, f) if f != 1.0 else (1.0, 1.0)
-    return options.allreduce(op, compression, pre, post, bucket_cap_mb, process_set, compressors=True)
+    # a set this rank is not in is allowed: reduce_gradients leaves such a rank's gradients alone
+    return options.allreduce(op, compression, pre, post, bucket_cap_mb, process_set, compressors=True,
+                             members_only=False)
 
 
 class DistributedGradientTape:
@@ -116,7 +120,9 @@ class DistributedGradientTape:
     match across ranks). Sparse gradients (tf.IndexedSlices, from embedding lookups) are
     allgathered (values and indices), or made dense with ``sparse_as_dense=True``. Gradients of
     sources registered with ``register_local_source`` are not reduced (and are divided by the
-    number of ranks when ``scale_local_gradients``, as Horovod does).
+    number of ranks when ``scale_local_gradients``, as Horovod does). With ``process_set``, the
+    set's ranks average among themselves and a rank outside the set gets its gradients back as
+    they are, unreduced (Horovod's rule).
     """
 
     def __init__(self, gradtape: tf.GradientTape, device_dense="", device_sparse="", compression=Compression.none,
@@ -185,6 +191,7 @@ def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="", 
 
 
 @_no_autograph
+@tf_errors
 def reduce_gradients(grads, variables, reduction: GradientReduction) -> list:
     """Allreduce a list of gradients (one per variable) the way DistributedGradientTape and
     DistributedOptimizer do: submitted last variable first (the order a backward pass produces
@@ -197,10 +204,17 @@ def reduce_gradients(grads, variables, reduction: GradientReduction) -> list:
     and indices; Average divides the values by the number of ranks). Gradients of
     ``reduction.local`` variables are not reduced, and are divided by the number of ranks when
     ``reduction.scale_local_gradients`` (Horovod's default). In a traced function each dense
-    submit is pinned into the backward pass when ``overlap.pin_enabled()``."""
+    submit is pinned into the backward pass when ``overlap.pin_enabled()``.
+
+    On a rank that is not in ``reduction.opts.process_set`` the gradients come back as they are,
+    unreduced (Horovod's rule: only the set's ranks reduce; the others go on with their own).
+    A set removed since the options were made raises ProcessSetRemovedError naming its id."""
     grads = list(grads)
     if len(grads) != len(variables):
         raise ValueError(f"{len(grads)} gradients for {len(variables)} variables")
+    ps = reduction.opts.process_set
+    if ps is not None and not process_sets.resolve(ps, members_only=False).included():
+        return grads
     opts, prefix = reduction.opts, reduction.prefix
     local = reduction.local.keys() if reduction.local else set()
     size = opts.size
