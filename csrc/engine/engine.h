@@ -56,6 +56,7 @@ struct Request {
   Compression compression = Compression::kNone;
   int root = 0;
   double prescale = 1.0, postscale = 1.0;
+  int64_t group = 0;  // allreduce: fusion group (0: none); requests of different groups never share a bucket
   const void* in = nullptr;
   void* out = nullptr;
   Record rec{};
