@@ -44,7 +44,7 @@ def _by_variable(buckets, prefix):
     return sorted(found)
 
 
-def test_tape_groups_are_the_fused_buckets_on_the_timeline(keras3_job):
+def test_tape_groups_and_grouped_allreduce_lists_are_the_fused_buckets_on_the_timeline(keras3_job):
     result, path = keras3_job
     assert_ok(result, 2, "tape_groups")
     for rank in (0, 1):
@@ -55,6 +55,8 @@ def test_tape_groups_are_the_fused_buckets_on_the_timeline(keras3_job):
         assert _by_variable(buckets, "gb") == [("gb0", "gb2")] * 2 + [("gb1",)] * 2 + [("gb3",)] * 2
         # without groups the four small gradients are one held run: one bucket per step
         assert _by_variable(buckets, "gc") == [("gc0", "gc1", "gc2", "gc3")] * 2
+        # grouped_allreduce: each call's list is a group of its own
+        assert _by_variable(buckets, "gd") == [("gd0", "gd1")] * 2 + [("gd2", "gd3")] * 2
 
 
 def test_grouped_optimizer_buckets_hold_one_group_each(keras3_job):

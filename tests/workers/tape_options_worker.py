@@ -85,6 +85,17 @@ def tape_groups():
         with tf.GradientTape() as t:
             y = loss(gc)
         check(hvd.DistributedGradientTape(t).gradient(y, gc), "no groups")
+
+    @tf.function
+    def two_lists(a, b):  # Horovod's grouped_allreduce: each list one group, even when both are queued at once
+        return (hvd.grouped_allreduce([a, 2 * a], op=hvd.Sum, names=["t.gd0", "t.gd1"]),
+                hvd.grouped_allreduce([b, 2 * b], op=hvd.Sum, names=["t.gd2", "t.gd3"]))
+
+    for _ in range(2):
+        (x0, x1), (x2, x3) = two_lists(tf.fill([4], float(r)), tf.fill([4], float(r + 10)))
+        for got, want in [(x0, n * (n - 1) / 2), (x1, n * (n - 1)), (x2, n * (n - 1) / 2 + 10 * n),
+                          (x3, n * (n - 1) + 20 * n)]:
+            assert np.array_equal(got.numpy(), np.full(4, want, np.float32)), (got.numpy(), want)
     print(f"OK tape_groups rank {r}", flush=True)
 
 
