@@ -88,3 +88,15 @@ def tf_keras_job():
 @pytest.mark.parametrize("mode", KERAS_MODES.split(","))
 def test_tf_keras_options_exact(tf_keras_job, mode):
     assert_ok(tf_keras_job, 2, f"{mode} tf-keras")
+
+
+def test_three_ranks_groups_buckets_and_local_gradients(tmp_path):
+    path = tmp_path / "tl.json"
+    r = launch(3, W, "tape_groups,local_vars", env={**ENV, "FASTXFER_TIMELINE": str(path)}, timeout=600)
+    assert_ok(r, 3, "tape_groups")
+    assert_ok(r, 3, "local_vars keras3")
+    for rank in (0, 1, 2):
+        buckets = _buckets(path, rank)
+        assert _by_variable(buckets, "ga") == [("ga0", "ga1")] * 2 + [("ga2", "ga3")] * 2
+        assert _by_variable(buckets, "gb") == [("gb0", "gb2")] * 2 + [("gb1",)] * 2 + [("gb3",)] * 2
+        assert _by_variable(buckets, "gd") == [("gd0", "gd1")] * 2 + [("gd2", "gd3")] * 2

@@ -253,12 +253,16 @@ def local_vars():
 
     opt = PartialDistributedOptimizer(keras.optimizers.SGD(0.125), local_layers=[loc])
     model.compile(optimizer=opt, loss="mse")
+    xs = [1.0, 2.0, 4.0]  # the average of 2 x^2 is exact on 2 and on 3 ranks (5, 14)
+    c = xs[r]
     x, y = np.array([[c]], np.float32), np.zeros((1, 1), np.float32)
     model.fit(x, y, batch_size=1, epochs=1, verbose=0, shuffle=False)
     # out = x * s * l = c; d/ds = 2 c * c * l = 2 c^2 ; d/dl = 2 c * c * s = 2 c^2
-    avg = np.mean([2 * (q + 1.0) ** 2 for q in range(n)])
-    assert np.array_equal(s.kernel.numpy(), np.array([[1 - 0.125 * avg]], np.float32)), s.kernel.numpy()
-    assert np.array_equal(loc.kernel.numpy(), np.array([[1 - 0.125 * 2 * c * c / n]], np.float32)), loc.kernel.numpy()
+    avg = np.mean([2 * xs[q] ** 2 for q in range(n)])
+    f32 = np.float32
+    assert np.array_equal(s.kernel.numpy(), np.array([[1 - 0.125 * avg]], f32)), s.kernel.numpy()
+    want = f32(1) - f32(0.125) * (f32(2 * c * c) / f32(n))  # float32, as TensorFlow divides and steps
+    assert np.array_equal(loc.kernel.numpy(), np.array([[want]], f32)), (loc.kernel.numpy(), want)
     # register_local_var on a DistributedOptimizer, scale_local_gradients=False: the raw local gradient
     model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="ones"),
                               keras.layers.Dense(1, use_bias=False, kernel_initializer="ones")])
