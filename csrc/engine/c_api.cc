@@ -54,6 +54,7 @@ int32_t c_submit(const fx_request* q, fx_done_fn done, void* ctx, char* err, siz
     spec.prescale = q->prescale;
     spec.postscale = q->postscale;
     spec.bucket_cap = q->bucket_cap;
+    spec.group = q->group;
     spec.in = q->in;
     spec.out = q->out;
     if (q->nsplits > 0) spec.splits.assign(q->splits, q->splits + q->nsplits);

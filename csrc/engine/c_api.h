@@ -18,7 +18,7 @@
 extern "C" {
 #endif
 
-#define FX_C_API_VERSION 5
+#define FX_C_API_VERSION 6
 
 /* Values of fastxfer::CollectiveKind, DType, ReduceOp and Compression (common/). */
 enum { FX_ALLREDUCE = 0, FX_BROADCAST = 1, FX_ALLGATHER = 2, FX_ALLTOALL = 6, FX_REDUCESCATTER = 7 };
@@ -51,6 +51,10 @@ typedef struct fx_request {
   int32_t hold;          /* non-zero: more requests of the same group follow at once; queue this one
                             without starting a round for it (the next request without hold releases
                             the group: Engine::submit) */
+  int64_t group;         /* allreduce: its fusion group (0: none). Allreduces of different groups never
+                            share a bucket (Horovod's groups=/num_groups=, grouped_allreduce); the
+                            value is derived from the group's names, so ranks that agree on the names
+                            agree on it */
 } fx_request;
 
 /* `gathered`/`gathered_bytes`/`rows`: an allgather's, alltoall's or (out == NULL) reducescatter's

@@ -64,7 +64,7 @@ void Engine::run_batch(const std::vector<Request*>& batch, const std::vector<std
         auto same = [&](const Request* a) {
           return a->kind == CollectiveKind::kAllreduce && a->dtype == r->dtype && a->op == r->op &&
                  a->compression == r->compression && a->prescale == r->prescale && a->postscale == r->postscale &&
-                 a->rec.bucket_cap == r->rec.bucket_cap;
+                 a->rec.bucket_cap == r->rec.bucket_cap && a->group == r->group;
         };
         while (e < batch.size() && same(batch[e])) ++e;
         // `r` is finished with the first bucket (and may be released): keep what the run needs.

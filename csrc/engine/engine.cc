@@ -112,6 +112,7 @@ uint64_t Engine::submit(Request req, bool defer, bool hold) {
   if (fatal_ != ErrorKind::kNone) throw_error(fatal_, fatal_msg_);
   if (shutdown_requested_ || stopped_) throw EngineError("fastxfer has been shut down; call init() again first");
   req.id = next_id_++;
+  const int64_t req_group = req.group;
   if (req.kind == CollectiveKind::kShutdown) shutdown_requested_ = true;
   if (timeline_.enabled()) req.t_submit = timeline_.now();
   uint64_t id = req.id;
@@ -122,6 +123,7 @@ uint64_t Engine::submit(Request req, bool defer, bool hold) {
     // Not woken (waking it for the first of a group was measured to cost more than the round it
     // saves, the woken thread taking the core), and ready() tells it to leave held requests alone.
     held_since_ = std::chrono::steady_clock::now();
+    held_grouped_ = req_group != 0;
     ++held_;
     return id;
   }
@@ -330,7 +332,12 @@ bool Engine::run_round() {
   std::vector<Record> recs;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    size_t m = std::min(queue_.size(), static_cast<size_t>(cfg_.max_records));
+    // A round that starts while an explicit fusion group is half submitted leaves its held part
+    // queued: taking it would cut the group in two rounds, hence two buckets (measured on 3 ranks:
+    // the round released by one group took the next group's first tensor). Other held runs may go
+    // early: they only save rounds.
+    const size_t held_group = held_grouped_ ? std::min(held_, queue_.size()) : 0;
+    size_t m = std::min(queue_.size() - held_group, static_cast<size_t>(cfg_.max_records));
     for (size_t i = 0; i < m; ++i) recs.push_back(queue_[i]->rec);
   }
   if (recs.empty()) return false;
@@ -529,16 +536,24 @@ void Engine::loop() {
         // that failed half-way) still runs. A held submit does not wake this thread, so an idle
         // one looks every kIdleCheck whether something was held meanwhile.
         auto ready = [&] { return (queue_.size() > held_ && !driving_) || stop_ || fatal_ != ErrorKind::kNone; };
-        const auto hold_for = std::chrono::microseconds(static_cast<int64_t>(cfg_.hold_us));
         constexpr auto kIdleCheck = std::chrono::milliseconds(50);
+        // An explicit group (Horovod's groups=) is one run by definition: its submits come back to
+        // back, but a submitter preempted for longer than hold_us (measured: 3 ranks on 2 busy
+        // cores) would otherwise cut it in two rounds, hence two buckets. Its limit only matters
+        // when its last submit never comes (a step that failed half-way).
+        constexpr auto kGroupHoldLimit = std::chrono::seconds(1);
+        const auto hold_us = std::chrono::microseconds(static_cast<int64_t>(cfg_.hold_us));
+        auto hold_for = [&] {
+          return held_grouped_ ? std::chrono::duration_cast<std::chrono::microseconds>(kGroupHoldLimit) : hold_us;
+        };
         while (!ready()) {
           comm_->set_engine_idle(queue_.empty() && !driving_);
           engine_sleeping_ = true;
           if (held_ == 0) {
             work_cv_.wait_for(lk, kIdleCheck);
           } else {
-            work_cv_.wait_until(lk, held_since_ + hold_for);
-            if (held_ > 0 && std::chrono::steady_clock::now() >= held_since_ + hold_for) held_ = 0;
+            work_cv_.wait_until(lk, held_since_ + hold_for());
+            if (held_ > 0 && std::chrono::steady_clock::now() >= held_since_ + hold_for()) held_ = 0;
           }
           engine_sleeping_ = false;
         }

@@ -56,6 +56,7 @@ struct Request {
   Compression compression = Compression::kNone;
   int root = 0;
   double prescale = 1.0, postscale = 1.0;
+  int64_t group = 0;  // allreduce: fusion group (0: none); requests of different groups never share a bucket
   const void* in = nullptr;
   void* out = nullptr;
   Record rec{};
@@ -88,7 +89,8 @@ class Engine {
   // queue it without waking the engine thread and without letting it start a round for it, so that
   // the group is negotiated in one round instead of one round per tensor. The next submit without
   // `hold` releases every held request; so do a waiter, and the engine thread itself once nothing
-  // was submitted for `EngineConfig::hold_us` (a group whose last submit never comes).
+  // was submitted for `EngineConfig::hold_us` (a group whose last submit never comes; for an
+  // explicit fusion group, Request::group, kGroupHoldLimit: a preempted submitter must not cut it).
   uint64_t submit(Request req, bool defer = false, bool hold = false);
   // Blocks until request `id` is done; throws its error. Call without holding the GIL. When no
   // round is running, the calling thread runs the next one itself instead of waking the engine
@@ -186,6 +188,8 @@ class Engine {
   bool engine_sleeping_ = false;  // the engine thread waits for work
   size_t held_ = 0;  // the last held_ requests of queue_ were submitted with `hold` and not released yet
   std::chrono::steady_clock::time_point held_since_;  // the latest held submit
+  bool held_grouped_ = false;  // the latest held submit belongs to an explicit fusion group (Request::group):
+                               // held up to kGroupHoldLimit, not hold_us (a group is one run, docs/architecture.md)
   ErrorKind fatal_ = ErrorKind::kNone;
   std::string fatal_msg_;
   std::mutex oob_mu_;

@@ -36,6 +36,7 @@ Request build_request(RequestSpec spec, const Engine& eng) {
   if (r.op == ReduceOp::kAverage) r.postscale /= static_cast<double>(eng.size());
   r.rec = make_record(r.kind, spec.name, r.dtype, spec.shape, r.op, r.compression, r.root, r.prescale, r.postscale);
   r.rec.bucket_cap = spec.bucket_cap;
+  r.group = spec.group;
   return r;
 }
 

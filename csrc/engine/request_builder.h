@@ -26,6 +26,7 @@ struct RequestSpec {
   double prescale = 1.0;
   double postscale = 1.0;       // as the caller gave it: an average's 1/size is applied here
   int64_t bucket_cap = 0;       // bytes; 0: the engine's default
+  int64_t group = 0;            // allreduce: fusion group (0: none); see Request::group
   const void* in = nullptr;
   void* out = nullptr;
   std::vector<int64_t> splits;  // alltoall: rows sent to each rank (empty: an equal split)

@@ -215,7 +215,7 @@ void on_engine_done(void* ctx, int32_t error, const char* message, const void* g
 struct SubmitAttrs {
   int32_t kind = FX_ALLREDUCE;
   std::string name;
-  int64_t op = 0, compression = 0, root = 0, bucket_cap = 0, process_set = 0, hold = 0;
+  int64_t op = 0, compression = 0, root = 0, bucket_cap = 0, process_set = 0, hold = 0, group = 0;
   double prescale = 1.0, postscale = 1.0;
   int dtype = 0;
 };
@@ -247,6 +247,7 @@ void* submit_create(TF_OpKernelConstruction* c) {
   if (st.ok()) tf.TF_OpKernelConstruction_GetAttrInt64(c, "bucket_cap", &a->bucket_cap, st.s);
   if (st.ok()) tf.TF_OpKernelConstruction_GetAttrInt64(c, "process_set", &a->process_set, st.s);
   if (st.ok()) tf.TF_OpKernelConstruction_GetAttrInt64(c, "hold", &a->hold, st.s);
+  if (st.ok()) tf.TF_OpKernelConstruction_GetAttrInt64(c, "group", &a->group, st.s);
   if (st.ok()) tf.TF_OpKernelConstruction_GetAttrInt64(c, "prescale_bits", &pre, st.s);
   if (st.ok()) tf.TF_OpKernelConstruction_GetAttrInt64(c, "postscale_bits", &post, st.s);
   if (st.ok()) tf.TF_OpKernelConstruction_GetAttrType(c, "T", &a->dtype, st.s);
@@ -361,6 +362,7 @@ void submit_compute(void* kernel, TF_OpKernelContext* ctx) {
   q.nsplits = static_cast<int32_t>(splits.size());
   q.process_set = static_cast<int32_t>(a.process_set);
   q.hold = a.hold != 0 ? 1 : 0;
+  q.group = a.group;
   {
     std::lock_guard<std::mutex> lk(g_mu);
     g_pending.emplace(handle, std::move(p));  // before submitting: the engine may finish at once
@@ -519,7 +521,7 @@ std::string register_all() {
   const std::vector<const char*> submit_attrs = {
       kTypes, "kind: {'allreduce', 'broadcast', 'allgather', 'reducescatter', 'alltoall'}", "tensor_name: string",
       "reduce_op: int = 0", "compression: int = 0", "root: int = 0", "prescale_bits: int = 0",
-      "postscale_bits: int = 0", "bucket_cap: int = 0", "process_set: int = 0", "hold: int = 0"};
+      "postscale_bits: int = 0", "bucket_cap: int = 0", "process_set: int = 0", "hold: int = 0", "group: int = 0"};
   std::vector<const char*> splits_attrs = submit_attrs;
   splits_attrs.push_back("Tsplits: {int32, int64}");
   bool ok = register_op("FastxferSubmit", {"tensor: T"}, {"output: T", "handle: int64"}, submit_attrs, submit_shape,

@@ -106,7 +106,9 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
 def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", compression=Compression.none,
                       op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set,
                       ignore_name_scope=False, name=None, names=None, order=None, bucket_cap_mb=None):
-    """Reduce a list of tensors (fused by the engine); tf.IndexedSlices in the list are allgathered.
+    """Reduce a list of tensors as one group, as Horovod does: the dense ones are held until the
+    last is submitted and fused into buckets of their own (several when they pass the bucket cap);
+    tf.IndexedSlices in the list are allgathered.
     fastxfer's additions: ``names`` (one per tensor, identical on every rank), ``order`` (a
     permutation: the order the dense tensors are handed to the engine, e.g. reversed for gradients)
     and ``bucket_cap_mb``."""
@@ -127,7 +129,7 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
     dense = [i for i in order if not isinstance(tensors[i], tf.IndexedSlices)]
     if dense:
         red = gradients.grouped_allreduce([tf.convert_to_tensor(tensors[i]) for i in dense], opts,
-                                          None if names is None else [names[i] for i in dense])
+                                          None if names is None else [names[i] for i in dense], one_group=True)
         for i, r in zip(dense, red):
             out[i] = r
     for i in order:

@@ -145,10 +145,13 @@ def _bridge_wait(hid):
 # ---- the seam ----------------------------------------------------------------------------------
 
 
-def submit(tensor: tf.Tensor, opts: CollectiveOptions, name: str, hold: bool = False, splits=None) -> Pending:
+def submit(tensor: tf.Tensor, opts: CollectiveOptions, name: str, hold: bool = False, splits=None,
+           group: int = 0) -> Pending:
     """Hand ``tensor``'s collective, described by ``opts`` (already checked for its dtype), to the
     engine under ``name``. ``hold``: more submits of the same group follow (native only: the engine
-    negotiates the group in one round, docs/architecture.md "Grouped submits"). ``splits``: an
+    negotiates the group in one round, docs/architecture.md "Grouped submits"). ``group``: an
+    allreduce's fusion group (nonzero: never fused with another group's tensors; native only, the
+    bridge fuses as the engine likes). ``splits``: an
     alltoall's int32 vector tensor (empty: an equal split)."""
     kind = opts.kind
     named = opts if opts.name == name else replace(opts, name=name)
@@ -158,7 +161,8 @@ def submit(tensor: tf.Tensor, opts: CollectiveOptions, name: str, hold: bool = F
             if kind == "alltoall":
                 return native.submit_splits(tensor, splits, name, opts.set_id)
             return native.submit(tensor, kind, name, opts.op, opts.wire_for(tensor.dtype.as_numpy_dtype), opts.root,
-                                 opts.prescale, opts.postscale, opts.bucket_cap, opts.set_id, hold=hold)
+                                 opts.prescale, opts.postscale, opts.bucket_cap, opts.set_id, hold=hold,
+                                 group=group)
     else:
         def make():
             args = [tensor] if kind != "alltoall" else [tensor, splits]

@@ -10,7 +10,8 @@ import fastxfer as fx
 from fastxfer.tensorflow.compression import Compression
 from fastxfer.tensorflow.ops import Average, Sum
 from fastxfer.tensorflow.backend import chained
-from fastxfer.tensorflow.tape import GradientReduction, gradient_options, reduce_gradients as reduce_tensors
+from fastxfer.tensorflow.tape import (GradientReduction, check_groups, gradient_options,
+                                      reduce_gradients as reduce_tensors)
 
 WRAPPED = "_fastxfer_distributed"  # class attribute that marks a distributed optimizer class
 ACCUMULATORS = "_fastxfer_acc"  # instance __dict__ key: backward_passes_per_step's local accumulators
@@ -35,7 +36,7 @@ class Settings:
 
 def new_settings(compression=Compression.none, backward_passes_per_step=1, average_aggregated_gradients=False,
                  gradient_predivide_factor=1.0, bucket_cap_mb=None, op=Average, sparse_as_dense=False,
-                 scale_local_gradients=True, process_set=None) -> Settings:
+                 scale_local_gradients=True, process_set=None, num_groups=0, groups=None) -> Settings:
     """Checked settings for a new DistributedOptimizer: FastxferError before init(), ValueError
     naming a wrong argument."""
     if not fx.is_initialized():
@@ -47,7 +48,7 @@ def new_settings(compression=Compression.none, backward_passes_per_step=1, avera
     if opts.op not in (Average, Sum):
         raise ValueError(f"op must be Average or Sum for gradients, not {op!r}")
     reduction = GradientReduction(opts, sparse_as_dense, scale_local_gradients=scale_local_gradients,
-                                  prefix="DistributedOptimizer")
+                                  prefix="DistributedOptimizer", groups=check_groups(num_groups, groups))
     return Settings(reduction, backward_passes_per_step, average_aggregated_gradients)
 
 

@@ -41,17 +41,23 @@ def _average(opts: CollectiveOptions) -> CollectiveOptions:
     return options_mod.allreduce("average", process_set=opts.process_set)
 
 
-def grouped_allreduce(tensors, opts: CollectiveOptions, names=None, order=None) -> list:
+def grouped_allreduce(tensors, opts: CollectiveOptions, names=None, order=None, one_group=False) -> list:
+    """``one_group``: the list is one fusion group (Horovod's grouped_allreduce: held until its last
+    tensor, in buckets of its own), and so is its gradient's."""
+    def groups(n):
+        return [list(range(n)) if order is None else list(order)] if one_group and n else None
+
     if not _floating(tensors):
-        return ops.grouped_allreduce(tensors, opts, names, order)
+        return ops.grouped_allreduce(tensors, opts, names, order, groups(len(tensors)))
     grad_opts = replace(opts, name=None)
 
     @tf.custom_gradient
     def fn(*xs):
         def grad(*dys):
-            return ops.grouped_allreduce([tf.convert_to_tensor(d) for d in dys], grad_opts)
+            return ops.grouped_allreduce([tf.convert_to_tensor(d) for d in dys], grad_opts,
+                                         groups=groups(len(dys)) if order is None else None)
 
-        return ops.grouped_allreduce(list(xs), opts, names, order), grad
+        return ops.grouped_allreduce(list(xs), opts, names, order, groups(len(xs))), grad
 
     return list(fn(*tensors))
 

@@ -284,9 +284,13 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
       (or PartialDistributedOptimizer's local layers) are not reduced; with True (Horovod's
       default) they are divided by the number of ranks.
     - ``bucket_cap_mb`` (fastxfer's): fusion bucket size for these gradients (default: ``init``'s, 25 MiB).
-    - ``device_dense``, ``device_sparse``, ``num_groups``, ``groups`` are accepted for Horovod
-      compatibility and have no effect: the engine fuses gradients into buckets by itself and
-      runs on the host.
+    - ``groups``: Horovod's explicit fusion groups: an int n cuts the gradients (in variable order)
+      into n consecutive groups; a list of lists of variables makes each list a group and every
+      other variable a group of its own. Each group is reduced as one unit: held until its last
+      gradient, never sharing a bucket with another group. ``num_groups=n`` is the deprecated
+      spelling of ``groups=n`` (not both). Without them the engine fuses by itself.
+    - ``device_dense``, ``device_sparse`` are accepted for Horovod compatibility and have no
+      effect: the engine runs on the host.
     - ``process_set``: reduce among that registered set's ranks only (an average divides by its
       size); every rank of the set must wrap its optimizer with the same set. A rank outside the
       set applies its own gradients, unreduced (Horovod's rule).
@@ -299,7 +303,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     """
     settings = new_settings(compression, backward_passes_per_step, average_aggregated_gradients,
                             gradient_predivide_factor, bucket_cap_mb, op, sparse_as_dense, scale_local_gradients,
-                            process_set)
+                            process_set, num_groups, groups)
     if isinstance(optimizer, (keras.optimizers.Optimizer, keras.optimizers.LossScaleOptimizer)):
         return distributed_keras3(optimizer, settings)
     try:

@@ -118,16 +118,17 @@ def _bits(x: float) -> int:
 
 def submit(tensor, kind: str, name: str, op: str = "sum", compression: str = "none", root: int = 0,
            prescale: float = 1.0, postscale: float = 1.0, bucket_cap: int = 0, process_set: int = 0,
-           hold: bool = False):
+           hold: bool = False, group: int = 0):
     """The submit op on ``tensor``: returns (output, handle). Options are already validated;
     ``root`` is the engine's (the position in the process set), ``process_set`` an id (0: every rank).
     ``hold``: more submits of the same group follow; the engine starts no round for this one until
-    a submit without ``hold`` (docs/architecture.md, "Grouped submits")."""
+    a submit without ``hold`` (docs/architecture.md, "Grouped submits"). ``group``: the allreduce's
+    fusion group (0: none); tensors of different groups never share a bucket."""
     return _lib.fastxfer_submit(tensor, kind=kind, tensor_name=name, reduce_op=OP_CODES[op],
                                 compression=COMPRESSION_CODES[compression], root=int(root),
                                 prescale_bits=_bits(prescale), postscale_bits=_bits(postscale),
                                 bucket_cap=int(bucket_cap), process_set=int(process_set), hold=int(bool(hold)),
-                                name="fastxfer_submit")
+                                group=int(group), name="fastxfer_submit")
 
 
 def submit_splits(tensor, splits, name: str, process_set: int = 0):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import zlib
 from dataclasses import replace
 
 import numpy as np
@@ -81,18 +82,22 @@ def _np_dtype(t) -> np.dtype:
 HOLD_BYTES = 1 << 20  # a held run of submits ends once it holds this much (or the bucket cap, if less)
 
 
-def held(tensors, order, opts: CollectiveOptions) -> set:
-    """The indexes of a grouped allreduce whose submits may hold (backend.submit): in submission
-    order, runs of tensors up to ``HOLD_BYTES`` on the wire (or the bucket cap, if smaller), every
-    one held but the last of its run, and never the last of the group. The engine then negotiates
-    a run of small gradients in one round when its last tensor arrives, instead of starting a
-    round at the first and one more for each tensor that arrives while it runs (measured: a round
-    per tensor for a model of ten small tensors). Past about a MiB a round's fixed cost is small
-    against the reduction, and holding longer only delays it (ResNet-50 was slower held to whole
-    25 MiB buckets): docs/architecture.md, "Grouped submits". A tensor of unknown size ends a run.
-    FASTXFER_TF_HOLD=0 holds none (read when the graph is traced)."""
+def held(tensors, order, opts: CollectiveOptions, groups=None) -> set:
+    """The indexes of a grouped allreduce whose submits may hold (backend.submit). Without
+    ``groups``: in submission order, runs of tensors up to ``HOLD_BYTES`` on the wire (or the
+    bucket cap, if smaller), every one held but the last of its run, and never the last of the
+    group. The engine then negotiates a run of small gradients in one round when its last tensor
+    arrives, instead of starting a round at the first and one more for each tensor that arrives
+    while it runs (measured: a round per tensor for a model of ten small tensors). Past about a
+    MiB a round's fixed cost is small against the reduction, and holding longer only delays it
+    (ResNet-50 was slower held to whole 25 MiB buckets): docs/architecture.md, "Grouped submits".
+    A tensor of unknown size ends a run. With ``groups`` (lists of indexes, each in submission
+    order: Horovod's groups=/num_groups=) each group is one run, whatever its size: every tensor
+    held but its group's last. FASTXFER_TF_HOLD=0 holds none (read when the graph is traced)."""
     if not settings.get("FASTXFER_TF_HOLD") or not backend.use_native():
         return set()
+    if groups is not None:
+        return {i for g in groups for i in g[:-1]}
     order = list(order)
     limit = min(opts.bucket_cap or fx.comm.group.settings().get("cap", 25 << 20), HOLD_BYTES)
     hold, filled = set(), 0
@@ -110,17 +115,51 @@ def held(tensors, order, opts: CollectiveOptions) -> set:
     return hold
 
 
-def submit_grouped(tensors, opts: CollectiveOptions, names, order=None) -> list:
-    """One submit per tensor, in ``order`` (default: list order), each running as soon as its
-    tensor exists (in a traced function: after the graph's previous submit). Returns the
-    backend's Pending by tensor index, for ``wait_grouped``."""
+def group_tag(name: str) -> int:
+    """The engine's fusion-group tag of a group whose first submit is named ``name``: nonzero, the
+    same on every rank that agrees on the names (the engine compares names, not tags), and
+    different for the groups next to it (csrc/engine/c_api.h, ``fx_request.group``)."""
+    return (zlib.crc32(name.encode()) & 0x7FFFFFFF) | 1
+
+
+def _groups_in_order(order, groups) -> list:
+    """``groups`` (lists of indexes) checked against ``order``: they must be ``order`` cut into
+    consecutive pieces (a group's submits follow each other, so it is one held run)."""
+    flat = [i for g in groups for i in g]
+    if flat != list(order) or any(not g for g in groups):
+        raise ValueError("groups must cut the submission order into consecutive, non-empty pieces")
+    return [list(g) for g in groups]
+
+
+def submit_grouped(tensors, opts: CollectiveOptions, names, order=None, groups=None) -> list:
+    """One submit per tensor, in ``order`` (default: list order; with ``groups``, their
+    concatenation), each running as soon as its tensor exists (in a traced function: after the
+    graph's previous submit). ``groups``: lists of indexes, each list one fusion group -- held
+    until its last submit and never sharing a bucket with another group. Returns the backend's
+    Pending by tensor index, for ``wait_grouped``."""
+    if groups is not None:
+        order = [i for g in groups for i in g] if order is None else list(order)
+        groups = _groups_in_order(order, groups)
     order = list(range(len(tensors))) if order is None else list(order)
     for t in tensors:
         opts.check_dtype(_np_dtype(t), strict_compression=False)
-    holds = held(tensors, order, opts)
+    holds = held(tensors, order, opts, groups)
+    tag = {}
+    for g in groups or ():
+        for i in g:
+            tag[i] = group_tag(names[g[0]])
     pending = [None] * len(tensors)
+    if groups is not None and not tf.executing_eagerly():
+        # traced: a group's submits run once all its tensors exist, back to back (as Horovod runs a
+        # group when its last tensor is ready); otherwise a pause inside the backward pass could
+        # pass the engine's hold time and cut the group in two rounds, hence two buckets
+        for g in groups:
+            with tf.control_dependencies([tensors[i] for i in g]):
+                for i in g:
+                    pending[i] = backend.submit(tensors[i], opts, names[i], hold=i in holds, group=tag[i])
+        return pending
     for i in order:
-        pending[i] = backend.submit(tensors[i], opts, names[i], hold=i in holds)
+        pending[i] = backend.submit(tensors[i], opts, names[i], hold=i in holds, group=tag.get(i, 0))
     return pending
 
 
@@ -131,12 +170,16 @@ def wait_grouped(pending) -> list:
     return [backend.wait(p) for p in pending]
 
 
-def grouped_allreduce(tensors, opts: CollectiveOptions, names=None, order=None) -> list:
+def grouped_allreduce(tensors, opts: CollectiveOptions, names=None, order=None, groups=None) -> list:
     """Reduce a list of tensors, fused by the engine, submitted in ``order`` (a permutation of the
-    indexes; gradients go last layer first, the order a backward pass produces them). A user
-    compressor in ``opts`` runs around an uncompressed reduction of the compressed tensors."""
+    indexes; gradients go last layer first, the order a backward pass produces them). ``groups``
+    (lists of indexes cutting ``order`` into consecutive pieces): each one fusion group
+    (submit_grouped). A user compressor in ``opts`` runs around an uncompressed reduction of the
+    compressed tensors."""
     ts = [tf.convert_to_tensor(t) for t in tensors]
     names = _names("allreduce", opts, len(ts), names)
+    if order is None and groups is not None:
+        order = [i for g in groups for i in g]
     order = list(range(len(ts))) if order is None else list(order)
     if sorted(order) != list(range(len(ts))):
         raise ValueError("order must be a permutation of range(len(tensors))")
@@ -144,7 +187,7 @@ def grouped_allreduce(tensors, opts: CollectiveOptions, names=None, order=None) 
     if opts.compressor is not None:
         pairs = [opts.compressor.compress(t) for t in ts]
         ts, ctxs = [tf.convert_to_tensor(p[0]) for p in pairs], [p[1] for p in pairs]
-    out = wait_grouped(submit_grouped(ts, opts, names, order))
+    out = wait_grouped(submit_grouped(ts, opts, names, order, groups))
     if ctxs is not None:
         out = [opts.compressor.decompress(r, c) for r, c in zip(out, ctxs)]
     return out
@@ -276,5 +319,5 @@ def _reducescatter_one(t, name, orig, opts: CollectiveOptions):
 
 
 __all__ = ["Average", "HOLD_BYTES", "Max", "Min", "Product", "Sum", "allgather", "allreduce", "alltoall", "broadcast",
-           "gather_slices", "grouped_allreduce", "grouped_reducescatter", "held", "oob_allreduce", "op_name",
+           "gather_slices", "group_tag", "grouped_allreduce", "grouped_reducescatter", "held", "oob_allreduce", "op_name",
            "submit_grouped", "wait_grouped"]

@@ -5,6 +5,8 @@ DistributedOptimizer uses too."""
 
 from __future__ import annotations
 
+import warnings
+
 import tensorflow as tf
 
 from fastxfer.comm import options, process_sets
@@ -73,21 +75,84 @@ def _is_layer(x) -> bool:
                for c in type(x).__mro__)
 
 
+def _is_variable(v) -> bool:
+    return isinstance(v, tf.Variable) or any(
+        c.__name__ == "Variable" and c.__module__.startswith(("keras.", "tf_keras.")) for c in type(v).__mro__)
+
+
+def check_groups(num_groups=0, groups=None):
+    """Horovod's ``num_groups=`` / ``groups=``, checked: None (no explicit groups), an int n > 0
+    (the gradients cut into n consecutive groups) or a list of lists of variables. ``num_groups``
+    is Horovod's deprecated spelling of an int ``groups`` (a DeprecationWarning, as Horovod's);
+    giving both is a ValueError here (Horovod silently takes ``groups``)."""
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
+        raise ValueError(f"num_groups must be a non-negative int, not {num_groups!r}")
+    if num_groups != 0:
+        if groups is not None:
+            raise ValueError("pass num_groups or groups, not both (num_groups=n is the deprecated spelling of groups=n)")
+        warnings.warn("Parameter `num_groups` has been replaced by `groups`", DeprecationWarning, stacklevel=3)
+        return num_groups
+    if groups is None:
+        return None
+    if isinstance(groups, int) and not isinstance(groups, bool):
+        if groups <= 0:
+            raise ValueError(f"groups should be a positive integer or a list of lists of tf.Variable, not {groups!r}")
+        return groups
+    if not isinstance(groups, (list, tuple)) or not all(
+            isinstance(g, (list, tuple)) and all(_is_variable(v) for v in g) for g in groups):
+        raise ValueError("groups should be a non-negative integer or a list of lists of tf.Variable, not "
+                         f"{type(groups).__name__} {groups!r:.200}")
+    return [list(g) for g in groups]
+
+
+def split_list(items: list, n: int) -> list:
+    """``items`` cut into ``n`` consecutive pieces as even as possible, the first (len mod n) one
+    longer (Horovod's rule for num_groups); pieces may be empty when n > len(items)."""
+    d, r = divmod(len(items), n)
+    return [items[i * d + min(i, r):(i + 1) * d + min(i + 1, r)] for i in range(n)]
+
+
+def explicit_groups(groups, candidates: list, variables) -> list:
+    """Horovod's explicit groups of the gradients at indexes ``candidates`` (not None, not local;
+    in variable order): ``groups`` an int n -- the candidates cut into n consecutive pieces; a
+    list of lists of variables -- each list one group (its candidates, in variable order), and
+    every candidate in no list a group of its own, after them. Empty groups are dropped."""
+    if isinstance(groups, int):
+        return [g for g in split_list(candidates, groups) if g]
+    where = {}
+    for k, group in enumerate(groups):
+        for v in group:
+            for key in variable_keys(v):
+                where.setdefault(key, k)
+    listed = [[] for _ in groups]
+    alone = []
+    for i in candidates:
+        k = next((where[key] for key in variable_keys(variables[i]) if key in where), None)
+        if k is None:
+            alone.append([i])
+        else:
+            listed[k].append(i)
+    return [g for g in listed if g] + alone
+
+
 class GradientReduction:
     """How DistributedGradientTape and DistributedOptimizer reduce a list of gradients: ``opts``
     (the allreduce's options, with a predivide factor as its pre- and postscale), whether sparse
     gradients are made dense, the variables whose gradients stay local and whether those are
-    divided by the number of ranks, and the prefix of the gradients' names."""
+    divided by the number of ranks, the prefix of the gradients' names, and Horovod's explicit
+    ``groups`` (check_groups: None, an int, or lists of variables), each group reduced as one
+    fusion unit."""
 
-    __slots__ = ("opts", "sparse_as_dense", "local", "scale_local_gradients", "prefix")
+    __slots__ = ("opts", "sparse_as_dense", "local", "scale_local_gradients", "prefix", "groups")
 
     def __init__(self, opts: CollectiveOptions, sparse_as_dense=False, local=None, scale_local_gradients=True,
-                 prefix="grad"):
+                 prefix="grad", groups=None):
         self.opts = opts
         self.sparse_as_dense = bool(sparse_as_dense)
         self.local = LocalVariables() if local is None else local
         self.scale_local_gradients = bool(scale_local_gradients)
         self.prefix = prefix
+        self.groups = groups
 
 
 @tf_errors
@@ -111,8 +176,14 @@ def gradient_options(op=ops.Average, compression=Compression.none, gradient_pred
 
 class DistributedGradientTape:
     """Wraps a tf.GradientTape: ``gradient()`` averages the gradients across ranks (Horovod's
-    arguments; ``device_dense``, ``device_sparse``, ``num_groups`` and ``groups`` are accepted and
-    have no effect: the engine fuses gradients into buckets by itself).
+    arguments; ``device_dense`` and ``device_sparse`` are accepted and have no effect).
+
+    ``groups=n`` (or the deprecated ``num_groups=n``) cuts the gradients, in variable order, into
+    n consecutive groups (Horovod's split); ``groups=[[v, ...], ...]`` makes each list of
+    variables a group, every other variable a group of its own. Each group is one fusion unit:
+    its submits are held until its last one, and no bucket holds tensors of two groups (a group
+    larger than the bucket cap still takes several buckets). Without groups the engine fuses
+    gradients into buckets by itself.
 
     Gradients are submitted last variable first (the order a backward pass produces them, the
     same on every rank), fused by the engine into buckets, and reduced while later gradients are
@@ -136,7 +207,7 @@ class DistributedGradientTape:
         self._reduction = GradientReduction(gradient_options(op, compression, gradient_predivide_factor, None,
                                                              process_set),
                                             sparse_as_dense, scale_local_gradients=scale_local_gradients,
-                                            prefix="DistributedGradientTape")
+                                            prefix="DistributedGradientTape", groups=check_groups(num_groups, groups))
         self.process_set = process_set
 
     @property
@@ -219,6 +290,13 @@ def reduce_gradients(grads, variables, reduction: GradientReduction) -> list:
     local = reduction.local.keys() if reduction.local else set()
     size = opts.size
     out = list(grads)
+    candidates = [i for i, (g, v) in enumerate(zip(grads, variables))
+                  if g is not None and not (local and variable_keys(v) & local)]
+    group_of = {}
+    if reduction.groups is not None:
+        for k, group in enumerate(explicit_groups(reduction.groups, candidates, variables)):
+            for i in group:
+                group_of[i] = k
     dense, names, where, sparse = [], [], [], []
     for i, (g, v) in enumerate(zip(grads, variables)):
         if g is None:
@@ -233,10 +311,22 @@ def reduce_gradients(grads, variables, reduction: GradientReduction) -> list:
                 continue
             g = tf.convert_to_tensor(g)
         dense.append(tf.convert_to_tensor(g))
-        names.append(f"{prefix}.{i}.{_short_name(v)}")
+        # a grouped gradient's name carries its group: ranks that group differently submit
+        # different names and fail with MismatchError instead of fusing differently
+        k = group_of.get(i)
+        names.append(f"{prefix}.{i}.{_short_name(v)}" if k is None else f"{prefix}.g{k}.{i}.{_short_name(v)}")
         where.append(i)
     if dense:
-        for j, r in zip(where, _allreduce_backward(dense, names, opts)):
+        groups = None
+        if group_of:
+            # by group, the group of the last variables first, each last variable first (a
+            # backward pass's order); positions in `dense`
+            pos = {i: j for j, i in enumerate(where)}
+            by_group = {}
+            for i in where:
+                by_group.setdefault(group_of[i], []).append(pos[i])
+            groups = sorted((sorted(g, reverse=True) for g in by_group.values()), key=lambda g: -g[0])
+        for j, r in zip(where, _allreduce_backward(dense, names, opts, groups)):
             out[j] = r
     for i in reversed(sparse):  # after the dense submits, last variable first, as they
         name = f"{prefix}.{i}.{_short_name(variables[i])}"
@@ -253,13 +343,14 @@ def _divided(g, n: int):
     return g / tf.cast(n, g.dtype)
 
 
-def _allreduce_backward(grads, names, opts: CollectiveOptions) -> list:
-    """The gradients' grouped allreduce, submitted last gradient first; traced, with the submits
-    pinned into the backward pass. A user compressor runs around the reduction."""
-    order = list(reversed(range(len(grads))))
+def _allreduce_backward(grads, names, opts: CollectiveOptions, groups=None) -> list:
+    """The gradients' grouped allreduce, submitted last gradient first (or by ``groups``: lists of
+    indexes, each one fusion group, in submission order); traced, with the submits pinned into the
+    backward pass. A user compressor runs around the reduction."""
+    order = [i for g in groups for i in g] if groups is not None else list(reversed(range(len(grads))))
     if tf.executing_eagerly() or opts.compressor is not None:
-        return ops.grouped_allreduce(grads, opts, names, order)
-    pending = ops.submit_grouped(grads, opts, names, order)
+        return ops.grouped_allreduce(grads, opts, names, order, groups)
+    pending = ops.submit_grouped(grads, opts, names, order, groups)
     if overlap.pin_enabled():
         overlap.pin_to_backward(tf.compat.v1.get_default_graph(), grads, [p.handle for p in pending])
     return ops.wait_grouped(pending)
