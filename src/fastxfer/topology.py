@@ -7,7 +7,6 @@ The probe and the plan are C++ (csrc/topology); this module formats them and app
 
 from __future__ import annotations
 
-import os
 import sys
 
 from fastxfer import _core, settings

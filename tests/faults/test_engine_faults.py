@@ -5,7 +5,6 @@ scale factors, and integer overflow."""
 import re
 
 import numpy as np
-import pytest
 
 from _launch import launch
 

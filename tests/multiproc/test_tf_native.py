@@ -166,7 +166,7 @@ def test_timeline_is_chrome_trace_with_every_gradient_of_every_step(tmp_path):
     r = subprocess.run([sys.executable, "-m", "fastxfer.cli", "bench", "timeline", str(path), "--step", "1", "--png",
                         str(png)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert f"step 1: " in r.stdout and f"{n_vars} tensors in " in r.stdout, r.stdout
+    assert "step 1: " in r.stdout and f"{n_vars} tensors in " in r.stdout, r.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -78,7 +78,6 @@ def engine_collectives(out):
     allreduce/broadcast/allgather, alltoall (default, uneven and empty splits; its gradient),
     reducescatter and grouped_reducescatter (uneven rows; gradients; fp16 compression). Results
     go to OUT.<rank>.npz; the test checks exact values and native == bridge bit for bit."""
-    from fastxfer.tensorflow import ops
 
     r, n = hvd.rank(), hvd.size()
     got = {}

@@ -23,7 +23,6 @@ import hmac
 import os
 
 from fastxfer import settings
-from fastxfer.errors import FastxferError
 
 PREFIX = "fastxfer-"
 DEFAULT_DIR = "/dev/shm"
