@@ -59,10 +59,14 @@ def test_silent_peer_times_out():
     assert "rank 0 gave up waiting for it (exit code 6)" in r.stderr
 
 
-def test_shutdown_while_a_peer_still_reduces_is_a_mismatch_not_a_hang():
+def test_shutdown_while_a_peer_still_reduces_is_a_peer_failure_naming_it_not_a_hang():
+    """Rank 0 shuts down while rank 1 still reduces: rank 0 has left the job (issue 34 row 7), so
+    both see a PeerFailureError naming rank 0, and the launcher blames it."""
     r = launch(2, W, "shutdown_early")
-    assert "SHUTDOWN-ERROR rank 0: MismatchError" in r.stdout, r.stdout + r.stderr
-    assert "ERROR rank 1: MismatchError" in r.stdout
+    msg = "PeerFailureError: rank 0 finished (its script ended, or it called shutdown()) while rank 1 still submitted"
+    assert f"SHUTDOWN-ERROR rank 0: {msg}" in r.stdout, r.stdout + r.stderr
+    assert f"ERROR rank 1: {msg}" in r.stdout
+    assert "fastxfer run: job failed: rank 0 finished while the others still ran collectives" in r.stderr
     assert r.returncode == 4
 
 
