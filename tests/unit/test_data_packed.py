@@ -152,7 +152,7 @@ def test_failed_pack_leaves_nothing_that_looks_valid(folder, tmp_path, monkeypat
     with pytest.raises(KeyboardInterrupt):
         pack(items, str(out), classes, progress=False)
     assert out.read_bytes() == before  # the old pack is untouched
-    assert [p.name for p in tmp_path.iterdir() if ".partial-" in p.name] == []
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".partial")] == []
 
 
 STUCK_PACK = """
@@ -179,14 +179,14 @@ def test_killed_pack_never_produces_the_output(folder, tmp_path):
     p = subprocess.Popen([sys.executable, "-c", STUCK_PACK, "data", "pack", str(lst), str(out), "--no-progress"],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
-    while not any(".partial-" in n for n in os.listdir(tmp_path)) and time.monotonic() < deadline:
+    while not any(n.endswith(".partial") for n in os.listdir(tmp_path)) and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(0.3)
     assert p.poll() is None, "the packer was not stuck on slow.jpg"
     p.send_signal(signal.SIGKILL)
     p.wait(timeout=60)
     assert not out.exists()
-    partial = [n for n in os.listdir(tmp_path) if ".partial-" in n]
+    partial = [n for n in os.listdir(tmp_path) if n.endswith(".partial")]
     assert len(partial) == 1
     with pytest.raises(PackedFormatError):
         PackedDataset(str(tmp_path / partial[0]))

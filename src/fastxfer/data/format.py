@@ -8,7 +8,7 @@ Layout (little-endian)::
 
 The footer is written last and repeats what the header cannot know in advance (index offset,
 record count, index CRC); a file without a valid footer is incomplete. Packing writes to
-``OUT.partial-<pid>`` and renames it over ``OUT`` only after flushing, so a crash never leaves a
+a fresh hidden ``.OUT.<random>.partial`` beside it and renames it over ``OUT`` only after flushing, so a crash never leaves a
 file named OUT that looks valid (writer.py). Every record carries a CRC-32: readers check it
 (``verify=True``) and a mismatch raises CorruptRecordError naming the record (reader.py).
 
