@@ -47,7 +47,7 @@ void bind_engine(py::module_& m) {
                        double stall_warning_s, const std::string& report_dir, std::vector<int> segment_ranks,
                        std::vector<int> job_ranks, size_t net_chunk_bytes, double host_timeout_s,
                        bool yield_on_wake, const std::string& host_id, double clock_offset_us,
-                       bool timeline_mark_cycles, std::vector<int> member_pids) {
+                       bool timeline_mark_cycles, std::vector<int> member_pids, bool precreated) {
              JobConfig job;
              job.shm.name = name;
              job.shm.rank = rank;
@@ -62,6 +62,7 @@ void bind_engine(py::module_& m) {
              job.shm.report_dir = report_dir;
              job.shm.rank_names = std::move(segment_ranks);
              job.shm.member_pids = std::move(member_pids);
+             job.shm.precreated = precreated;
              job.engine.rank_names = std::move(job_ranks);
              job.threads = threads;
              job.stream_min_bytes = stream_min_bytes;
@@ -89,7 +90,8 @@ void bind_engine(py::module_& m) {
            py::arg("segment_ranks") = std::vector<int>{}, py::arg("job_ranks") = std::vector<int>{},
            py::arg("net_chunk_bytes") = static_cast<size_t>(1u << 20), py::arg("host_timeout_s") = 0.0,
            py::arg("yield_on_wake") = true, py::arg("host_id") = "", py::arg("clock_offset_us") = 0.0,
-           py::arg("timeline_mark_cycles") = false, py::arg("member_pids") = std::vector<int>{})
+           py::arg("timeline_mark_cycles") = false, py::arg("member_pids") = std::vector<int>{},
+           py::arg("precreated") = false)
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("size", &Engine::size)
       .def_property_readonly("oob_capacity", &Engine::oob_capacity)
@@ -185,7 +187,25 @@ void bind_engine(py::module_& m) {
           "Make this the engine of process set `process_set_id` for the TensorFlow op library.")
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>())
       .def("leave", &Engine::leave, py::arg("why"), py::call_guard<py::gil_scoped_release>(),
-           "Stop without the peers (not collective): they fail at once if they wait for this rank.");
+           "Stop without the peers (not collective): they fail at once if they wait for this rank.")
+      .def("report", &Engine::report, py::arg("job_culprit"), py::arg("kind"), py::arg("msg"),
+           "Tell `fastxfer run` this rank fails because of job rank `job_culprit` (kind: stalled, finished, "
+           "failed); the first culprit a rank names stands.");
+  m.def(
+      "precreate_segment",
+      [](const std::string& name, int size, size_t window_bytes, size_t oob_bytes, int max_records) {
+        ShmConfig cfg;
+        cfg.name = name;
+        cfg.size = size;
+        cfg.window_bytes = window_bytes;
+        cfg.oob_bytes = oob_bytes;
+        cfg.max_records = max_records;
+        ShmSegment::precreate(cfg);
+      },
+      py::arg("name"), py::arg("size"), py::arg("window_bytes"), py::arg("oob_bytes"), py::arg("max_records"),
+      py::call_guard<py::gil_scoped_release>(),
+      "Create segment `name` for `size` ranks (exclusively, every page reserved) and leave it for an Engine "
+      "started with precreated=True: a full /dev/shm fails here, before any peer waits for the file.");
 }
 
 void bind_c_api(py::module_& m) {

@@ -132,6 +132,9 @@ class Engine {
   bool host_lost() const { return comm_->host_lost(); }
   // Read while the engine runs: approximate (not synchronised with the engine thread).
   CommStats stats() const { return comm_->stats(); }
+  // For `fastxfer run`'s last line: this rank fails because of job rank `job_culprit` (`kind`:
+  // "stalled", "finished", "failed"); the first culprit a rank names stands (ShmSegment::report).
+  void report(int job_culprit, const std::string& kind, const std::string& msg) { comm_->report(job_culprit, kind, msg); }
   // A step mark on the timeline (no-op without one).
   void mark(const std::string& name) { timeline_.mark(name); }
   bool timeline_enabled() const { return timeline_.enabled(); }

@@ -169,7 +169,8 @@ class Engine:
                  timeline_rank: int = 0, spin_us: float = 50.0, stall_warning_s: float = 60.0,
                  report_dir: str = "", segment_ranks: Sequence[int] = (), job_ranks: Sequence[int] = (),
                  net_chunk_bytes: int = 1 << 20, host_timeout_s: float = 0.0, yield_on_wake: bool = True,
-                 host_id: str = "", clock_offset_us: float = 0.0, timeline_mark_cycles: bool = False) -> None:
+                 host_id: str = "", clock_offset_us: float = 0.0, timeline_mark_cycles: bool = False,
+                 member_pids: Sequence[int] = (), precreated: bool = False) -> None:
         """Create or attach this host's segment ``name`` and start the engine thread; waits for the other local
         ranks. ``inter_host``: an object with the InterHost methods (fastxfer.comm.mpi.MPIInterHost) for jobs
         that span several hosts. ``stall_warning_s``: a wait this long warns once, naming the rank that stalls;
@@ -179,7 +180,9 @@ class Engine:
         submit that wakes the sleeping engine thread yields the core (FASTXFER_YIELD); ``host_id``: this host's
         id when hosts are emulated on one machine (FASTXFER_HOST_ID); ``clock_offset_us``: this rank's
         steady clock to rank 0's, for the timeline; ``timeline_mark_cycles``: an event at every negotiation
-        round. Every value comes from fastxfer.settings: the core reads no environment variable."""
+        round; ``member_pids``: each rank's pid when the launcher told it (a rank that dies before it attaches
+        fails the others at once); ``precreated``: rank 0 opens the segment precreate_segment made. Every value
+        comes from fastxfer.settings: the core reads no environment variable."""
     @property
     def rank(self) -> int:
         """This process's rank in the engine's group."""
@@ -231,6 +234,15 @@ class Engine:
         """Where the time went so far (a snapshot)."""
     def shutdown(self) -> None:
         """Leave the group (collective); stops the engine thread."""
+    def leave(self, why: str) -> None:
+        """Stop without the peers (not collective): they fail at once if they wait for this rank."""
+    def report(self, job_culprit: int, kind: str, msg: str) -> None:
+        """Tell `fastxfer run` this rank fails because of job rank ``job_culprit`` (``kind``: stalled,
+        finished, failed); the first culprit a rank names stands."""
+
+def precreate_segment(name: str, size: int, window_bytes: int, oob_bytes: int, max_records: int) -> None:
+    """Create segment ``name`` for ``size`` ranks (exclusively, every page reserved) and leave it for an
+    Engine started with ``precreated=True``: a full /dev/shm fails here, before any peer waits for it."""
 
 # ---- topology and placement ------------------------------------------------------------------
 

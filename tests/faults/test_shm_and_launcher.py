@@ -250,6 +250,69 @@ def test_shm_dir_moves_the_segment_to_a_larger_tmpfs(tmp_path):
     assert sorted(re.findall(r"OK reduce rank (\d)", r.stdout)) == ["0", "1", "2", "3"], r.stdout
 
 
+FILL_AND_ADD_SET = r"""
+import os, time, numpy as np, fastxfer as fx
+fx.init()
+r = fx.rank()
+fill = os.environ["FILL_DIR"]
+assert os.statvfs(fill).f_blocks * os.statvfs(fill).f_frsize <= 64 << 20, f"{fill} is not the test's small tmpfs"
+
+def fill_up():
+    if r == 0:
+        with open(os.path.join(fill, "filler"), "wb") as f:
+            try:
+                for _ in range(64):
+                    f.write(b"\0" * (1 << 20))
+                    f.flush()
+            except OSError:
+                pass
+    fx.barrier()
+
+fill_up()
+t0 = time.monotonic()
+try:
+    fx.add_process_set([1, 2])
+except fx.FastxferError as e:
+    print(f"FAILED rank {r} after {time.monotonic() - t0:.1f}s: {type(e).__name__}: {e}", flush=True)
+else:
+    raise SystemExit("add_process_set worked in a full /dev/shm")
+assert np.array_equal(fx.allreduce(np.ones(2), op="sum"), [3.0, 3.0])  # the job goes on
+if r == 0:
+    os.unlink(os.path.join(fill, "filler"))
+fx.barrier()
+pair = fx.add_process_set([1, 2])  # the failed call registered nothing: id 1
+assert pair.process_set_id == 1, pair
+if r in pair.ranks:
+    assert np.array_equal(fx.allreduce(np.full(2, r), op="sum", process_set=pair), [3, 3])
+fx.remove_process_set(pair)
+print(f"OK again rank {r}", flush=True)
+fill_up()
+fx.add_process_set([1, 2])  # uncaught now: the launcher's last line
+"""
+
+
+def test_a_full_dev_shm_fails_add_process_set_on_every_rank_at_once(tmp_path):
+    """Issue 34 row 4: the set's first rank cannot create the set's segment (a 16 MiB /dev/shm, full):
+    every rank raises its reason within seconds (not after the 120 s attach timeout), nothing is
+    registered, the job goes on, and the launcher's last line blames rank 1."""
+    prefix = _private_shm({"/dev/shm": 16}, tmp_path)
+    cmd = prefix + launch_cmd(3, "-c", FILL_AND_ADD_SET, launcher_args=["--grace", "5"])
+    r = run_command(cmd, env=launch_env({"FILL_DIR": "/dev/shm", "FASTXFER_SHM_WINDOW_MB": "1"}), timeout=300)
+    out = r.stdout + r.stderr
+    failed = dict((m[0], (float(m[1]), m[2])) for m in re.findall(r"FAILED rank (\d) after ([\d.]+)s: (.*)", r.stdout))
+    assert sorted(failed) == ["0", "1", "2"], out
+    reason = r"cannot reserve the shared-memory segment for 2 ranks: it needs [\d.]+ MiB .*\(No space left on device\)"
+    for rank, (took, msg) in failed.items():
+        assert took < 30, out
+        assert re.match(r"FastxferError: add_process_set\(\[1, 2\]\): rank 1 could not create the set's shared "
+                        r"memory" + (" \\(this rank\\)" if rank == "1" else "") + r", so no rank registered it: " + reason,
+                        msg), msg
+    assert sorted(re.findall(r"OK again rank (\d)", r.stdout)) == ["0", "1", "2"], out
+    assert r.returncode == 1, out
+    last = r.stderr.strip().splitlines()[-1]
+    assert re.search(r"job failed: rank 1 (failed first|failed \(named by rank [02]: add_process_set)", last), last
+
+
 # ---- Row 6: workers die with their launcher --------------------------------------------------
 
 WAIT_FOREVER = r"""

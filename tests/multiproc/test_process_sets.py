@@ -26,6 +26,14 @@ def test_ranks_that_disagree_on_a_set_fail_every_rank_and_a_failed_set_leaves_th
     assert_ok(launch(3, W, "mismatch", env=ENV), 3, "mismatch")
 
 
+def test_set_segment_names_are_random_and_an_uneven_removal_keeps_the_registry_consistent():
+    """Issue 34 rows 2 and 9: files planted at the names a set's segment would once have had do not
+    stop add_process_set, and each registration's name is 128 fresh random bits; removing a set
+    while only rank 1 has a request in flight on it raises MismatchError on every rank, and the set
+    is removed everywhere, so the same ranks register again."""
+    assert_ok(launch(3, W, "registry", env=ENV), 3, "registry")
+
+
 def test_a_rank_that_exits_while_a_set_peer_waits_fails_the_job_promptly():
     r = launch(3, W, "leaves", env={**ENV, "FASTXFER_TIMEOUT": "120"})
     out = r.stdout + r.stderr

@@ -142,3 +142,28 @@ def test_init_twice_is_harmless_and_shutdown_then_reinit(single):
         fx.rank()
     fx.init()
     assert fx.allreduce(np.ones(2), op="sum").tolist() == [1.0, 1.0]
+
+
+def test_precreate_segment_makes_an_owner_only_reserved_file_once(tmp_path):
+    """A process set's first rank creates its segment before any member waits for it (issue 34 row
+    4): exclusively, mode 0600, at its full size; a name already taken, or a planted link, is refused
+    with what is there, and the link's target is untouched."""
+    import stat
+
+    from fastxfer import _core
+
+    path = tmp_path / "fastxfer-1-00-s1-ab"
+    _core.precreate_segment(str(path), 2, 1 << 20, 1 << 20, 1024)
+    st = os.lstat(path)
+    assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+    assert st.st_size > 2 * (2 << 20) and st.st_size % 4096 == 0
+    with pytest.raises(fx.FastxferError, match=rf"refusing to create shared-memory segment {path}: a file owned by "
+                                               r".* with mode 0600 is already there"):
+        _core.precreate_segment(str(path), 2, 1 << 20, 1 << 20, 1024)
+    target = tmp_path / "target"
+    target.write_bytes(b"keep")
+    link = tmp_path / "fastxfer-1-00-s2-cd"
+    link.symlink_to(target)
+    with pytest.raises(fx.FastxferError, match="a symbolic link"):
+        _core.precreate_segment(str(link), 2, 1 << 20, 1 << 20, 1024)
+    assert target.read_bytes() == b"keep"

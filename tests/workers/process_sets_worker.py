@@ -124,16 +124,18 @@ def numpy_sets():
 
     # remove: the set's shared memory is unmapped; its ranks' collectives then fail clearly; ids
     # are not reused
-    seg = f"{group.layout().segment}-s{even.process_set_id}r0"
+    import glob
+
+    seg = f"{group.layout().segment}-s{even.process_set_id}-"  # then 32 random hex digits
 
     def mapped():
         with open("/proc/self/maps") as f:
             return seg in f.read()
 
-    expect(mapped() == (r != 1), f"{seg} mapped by the set's ranks only")
+    expect(mapped() == (r != 1), f"{seg}* mapped by the set's ranks only")
     expect(fx.remove_process_set(even) is True, "removed")
     fx.barrier()
-    expect(not mapped() and not os.path.exists(seg), f"{seg} left behind")
+    expect(not mapped() and not glob.glob(seg + "*"), f"{seg}* left behind")
     # removed: every collective on it names the id it had, on every rank; removing twice is refused
     expect(repr(even) == "ProcessSet(process_set_id=None, ranks=[0, 2], mpi_comm=None)", repr(even))
     removed = "process set 1 (ranks [0, 2]) was removed by remove_process_set"
@@ -387,6 +389,89 @@ def leaves():
         sys.exit(7)
 
 
+def set_segments() -> list[str]:
+    """The shared-memory files this process maps whose name is a process set's (``-s<id>-``)."""
+    with open("/proc/self/maps") as f:
+        return sorted({line.split()[5] for line in f if len(line.split()) > 5 and "fastxfer-" in line
+                       and "-s" in os.path.basename(line.split()[5])})
+
+
+def names():
+    """Issue 34 row 2: a set's segment name is 128 fresh random bits, not derived from the job
+    segment's name (which another local user sees in /dev/shm): files planted at every name the old
+    scheme would use do not stop add_process_set, and the same ranks registered twice get unrelated
+    names."""
+    import re
+
+    r = fx.rank()
+    job = group.layout().segment
+    if r == 0:  # what an attacker who lists /dev/shm could create under the old scheme: <job>-s<id>r<first>
+        for pid in (1, 2):
+            for first in range(3):
+                fd = os.open(f"{job}-s{pid}r{first}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+                os.close(fd)
+    fx.barrier()
+    seen = []
+    for pid in (1, 2):
+        pair = fx.add_process_set([1, 2])
+        expect(pair.process_set_id == pid, pair)
+        if r in (1, 2):
+            expect(np.array_equal(fx.allreduce(np.full(3, r, np.int32), op="sum", process_set=pair), [3, 3, 3]), "pair sum")
+            maps = set_segments()
+            expect(len(maps) == 1, maps)
+            m = re.fullmatch(re.escape(job) + rf"-s{pid}-([0-9a-f]{{32}})", maps[0])
+            expect(m is not None, (maps, job))
+            seen.append(m[1])
+        fx.remove_process_set(pair)
+    if r in (1, 2):
+        expect(len(set(seen)) == 2, seen)
+        both = fx.allgather_object(seen)  # the set's ranks use the same name; outside ranks report none
+        expect(both[1] == both[2] and both[0] == [], both)
+    else:
+        fx.allgather_object([])
+    if r == 0:
+        for pid in (1, 2):
+            for first in range(3):
+                os.unlink(f"{job}-s{pid}r{first}")
+
+
+def removal_in_flight():
+    """Issue 34 row 9: remove_process_set while only rank 1 has a request in flight on the set. Every
+    rank raises the same MismatchError naming the request, the set is removed on every rank all the
+    same (its collectives then raise ProcessSetRemovedError), and the same ranks register again."""
+    r = fx.rank()
+    pair = fx.add_process_set([1, 2])
+    pid = pair.process_set_id
+    pending = fx.allreduce_async(np.ones(4, np.float32), name="lonely", process_set=pair) if r == 1 else None
+    e = raised(lambda: fx.remove_process_set(pair))
+    expect(isinstance(e, fx.MismatchError), repr(e))
+    expect(str(e).startswith(f"remove_process_set: process set {pid} (ranks [1, 2]) is removed, but its ranks had not run "
+                              "the same collectives on it (") and "rank 1 still submitted allreduce 'lonely'" in str(e),
+           str(e))
+    if r == 1:
+        e = raised(pending.wait)
+        expect(isinstance(e, fx.FastxferError), repr(e))
+    expect(pair.process_set_id is None and pair.removed_id == pid, repr(pair))
+    expect(isinstance(raised(lambda: fx.allreduce(np.ones(2), process_set=pair)), fx.ProcessSetRemovedError),
+           "a removed set's collectives")
+    expect(fx.remove_process_set(fx.ProcessSet([1, 2])) is False, "nothing left registered for [1, 2]")
+    again = fx.add_process_set([1, 2])
+    expect(again.process_set_id == pid + 1, again)
+    if r in (1, 2):
+        expect(np.array_equal(fx.allreduce(np.full(2, r, np.int32), op="sum", process_set=again), [3, 3]), "re-added set")
+    expect(fx.remove_process_set(again) is True, "removed")
+    expect(np.array_equal(fx.allreduce(np.ones(2), op="sum"), [3.0, 3.0]), "the global set")
+
+
+def registry():
+    fx.init()
+    r = fx.rank()
+    names()
+    removal_in_flight()
+    fx.shutdown()
+    print(f"OK registry rank {r}", flush=True)
+
+
 def hosts():
     """Under mpirun, 4 ranks on 2 emulated hosts (FASTXFER_HOST_ID = rank // 2): a set across the
     hosts (MPI between them), a set inside one host (shared memory only), and a set with 2 ranks on
@@ -430,4 +515,4 @@ def hosts():
 
 
 {"numpy": numpy_sets, "mismatch": mismatch, "tensorflow": tensorflow_sets, "hosts": hosts,
- "leaves": leaves}[MODE]()
+ "leaves": leaves, "registry": registry}[MODE]()

@@ -183,7 +183,7 @@ ShmSegment::ShmSegment(const ShmConfig& cfg) : cfg_(cfg), path_(path_of(cfg.name
 
   const bool creator = cfg_.rank == 0;
   double deadline = now_s() + cfg_.attach_timeout_s;
-  if (creator)
+  if (creator && !cfg_.precreated)
     create();
   else
     open_existing(deadline);
@@ -207,6 +207,15 @@ ShmSegment::ShmSegment(const ShmConfig& cfg) : cfg_(cfg), path_(path_of(cfg.name
     throw;
   }
 }
+
+ShmSegment::ShmSegment(const ShmConfig& cfg, Precreate) : cfg_(cfg), path_(path_of(cfg.name)) {
+  layout();
+  create();  // on failure nothing is left behind
+  close(fd_);
+  fd_ = -1;
+}
+
+void ShmSegment::precreate(const ShmConfig& cfg) { ShmSegment made(cfg, Precreate{}); }
 
 void ShmSegment::create() {
   // O_EXCL: never someone else's file under our name; O_NOFOLLOW: never through a planted link.
@@ -332,6 +341,9 @@ void ShmSegment::open_existing(double deadline) {
       throw EngineError("cannot open shared-memory segment " + path_ + ": " + errno_str(e));
     } else if (errno != ENOENT) {
       throw EngineError("cannot open shared-memory segment " + path_ + ": " + errno_str(errno));
+    } else if (cfg_.precreated && cfg_.rank == 0) {
+      throw EngineError("the shared-memory segment " + path_ + " this rank created a moment ago is gone: "
+                        "something removed it from " + dir_of(path_));
     }
     check_members_alive(0);
     if (now_s() > deadline)

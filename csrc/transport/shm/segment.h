@@ -34,6 +34,8 @@ struct ShmConfig {
   std::vector<int> member_pids;     // each rank's process id when the launcher told it (elastic jobs;
                                     // 0 or empty: unknown): a rank that dies before it attaches is
                                     // noticed at once instead of after attach_timeout_s
+  bool precreated = false;          // rank 0 opens the file ShmSegment::precreate made (process sets:
+                                    // every member learns whether that worked before attaching)
 };
 
 // The counters each rank publishes, one per protocol phase. What a phase means is the business of
@@ -54,6 +56,10 @@ class ShmSegment {
   ShmSegment(const ShmSegment&) = delete;
   ShmSegment& operator=(const ShmSegment&) = delete;
 
+  // Rank 0's first step on its own: create the file exclusively and reserve its pages, then close it,
+  // leaving it for the constructor (cfg.precreated on rank 0; the others as usual). A full /dev/shm
+  // or a name already taken throws here, before any peer starts waiting for the file.
+  static void precreate(const ShmConfig& cfg);
   // The window size the segment really uses for a requested one (whole pages per half).
   static size_t rounded_window_bytes(size_t requested);
   // The file a ShmConfig::name refers to ("/fastxfer-x" -> "/dev/shm/fastxfer-x"; a path stays).
@@ -82,7 +88,7 @@ class ShmSegment {
   // between ranks, which the peers then raise as a Mismatch too (with this rank's message).
   void mark_exited(bool clean, const char* why, bool mismatch = false);
   // For `fastxfer run` (its report folder): this rank failed because of rank `job_culprit` (a rank
-  // of the job), which `kind` ("stalled", "finished"): REPORT_DIR/stall.<this rank>. The first
+  // of the job), which `kind` ("stalled", "finished", "failed"): REPORT_DIR/stall.<this rank>. The first
   // culprit a rank names stands (a later report naming another rank is dropped).
   void report(int job_culprit, const std::string& kind, const std::string& msg) const;
   // Whether nothing is queued on this rank and no thread runs a round (what the out-of-band lane's
@@ -95,6 +101,8 @@ class ShmSegment {
   void abort() { aborted_.store(true); }
 
  private:
+  struct Precreate {};
+  ShmSegment(const ShmConfig& cfg, Precreate);
   struct Header;
   struct Control;
 

@@ -434,18 +434,22 @@ def _is_comm_world(comm) -> bool:
                                       MPI.Comm.Compare(comm, MPI.COMM_WORLD) in (MPI.IDENT, MPI.CONGRUENT))
 
 
+MAX_RECORDS = 1024  # request descriptors one negotiation round carries (a segment's size depends on it)
+
+
 def make_engine(settings: dict, segment: str, local_rank: int, local_size: int, inter_host, timeline: str,
-                rank: int, segment_ranks=(), job_ranks=(), member_pids=()) -> _core.Engine:
+                rank: int, segment_ranks=(), job_ranks=(), member_pids=(), precreated: bool = False) -> _core.Engine:
     """An engine over `segment` with init()'s settings: the job's, or a process set's.
     ``segment_ranks``/``job_ranks``: the job rank of each rank of the segment / of the engine,
-    so that its messages name ranks as the user knows them (empty: the same numbers)."""
+    so that its messages name ranks as the user knows them (empty: the same numbers). ``precreated``:
+    this rank (the segment's first) made the segment with _core.precreate_segment."""
     s = settings
     return _core.Engine(segment, local_rank, local_size, s["window"], s["oob"], s["timeout"], s["attach_timeout"],
-                        s["threads"], s["cpus"], s["cap"], 1024, s["stream_min"], inter_host, timeline, rank,
+                        s["threads"], s["cpus"], s["cap"], MAX_RECORDS, s["stream_min"], inter_host, timeline, rank,
                         s["spin_us"], s["stall_warning"], s["report_dir"], list(segment_ranks), list(job_ranks),
                         s.get("net_chunk", 1 << 20), s.get("host_timeout", 0.0), s.get("yield_on_wake", True),
                         s.get("host_id", ""), s.get("clock_offset_us", 0.0), s.get("timeline_mark_cycles", False),
-                        list(member_pids))
+                        list(member_pids), precreated)
 
 
 def settings() -> dict:

@@ -5,7 +5,9 @@ every rank of the job calls it, with the same ranks, in the same order as the ot
 registrations -- the ranks compare what they were given, and a disagreement is a MismatchError
 on every rank naming what each rank passed. The ranks of the set then start an engine of their
 own for it: its own shared-memory segment on each host (the job's segment name plus
-``-s<id>``, so it is as unguessable and as owner-only as the job's, and swept with it), its own
+``-s<id>-<128 random bits>``, which the set's first rank there creates before any member waits
+for it: owner-only like the job's, unguessable even to a user who sees the job's name in
+/dev/shm, and swept with the job's; comm/set_registration.py), its own
 negotiation, its own engine thread, and -- when the set spans hosts -- an MPI communicator of its
 members. Collectives on different sets therefore run concurrently and cannot mix up their
 order; inside a set, the usual rules hold (same collectives, same order, names and shapes
@@ -298,8 +300,10 @@ def forget(ps: ProcessSet) -> None:
     with _lock:
         pid = ps.process_set_id
         ps._removed = pid
-        stop(ps)
-        _sets.pop(pid, None)
+        try:
+            stop(ps)  # its engine is stopped even when this raises (a peer that left, a request in flight)
+        finally:
+            _sets.pop(pid, None)
 
 
 def _after_fork_in_child() -> None:

@@ -5,14 +5,17 @@ model; docs/architecture.md, "Process sets", the design)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import secrets
 
 import numpy as np
 
+from fastxfer import _core
 from fastxfer.comm import collectives, group, process_sets
 from fastxfer.comm.process_sets import ProcessSet
-from fastxfer.errors import MismatchError, ProcessSetRemovedError
+from fastxfer.errors import FastxferError, MismatchError, ProcessSetRemovedError
 
 
 def _digest(words: list[int]) -> np.ndarray:
@@ -97,6 +100,7 @@ def add_process_set(process_set) -> ProcessSet:
             sub = layout.mpi_comm.Split(color=ranks[0] if mine else MPI.UNDEFINED, key=layout.rank)
             if not mine:
                 sub = None
+        name = _create_segment(pid, ranks, on_host.get(layout.host_of_rank(layout.rank), []))
         engine = None
         if layout.rank in ranks:
             host = layout.host_of_rank(layout.rank)
@@ -110,19 +114,52 @@ def add_process_set(process_set) -> ProcessSet:
             if timeline:
                 root, ext = os.path.splitext(timeline)
                 timeline = f"{root}.set{pid}{ext}"
-            # one id may name several disjoint groups (the communicator form): the first rank tells
-            # their segments apart
-            engine = group.make_engine(group.settings(), f"{layout.segment}-s{pid}r{ranks[0]}", mine.index(layout.rank),
-                                       len(mine), inter, timeline, layout.rank, mine, ranks)
+            engine = group.make_engine(group.settings(), name, mine.index(layout.rank), len(mine), inter, timeline,
+                                       layout.rank, mine, ranks, precreated=mine[0] == layout.rank)
         process_sets.record(ps, engine)
         return ps
+
+
+def _create_segment(pid: int, ranks: list[int], mine: list[int]) -> str:
+    """The set's shared-memory segment on this rank's host (``mine``: the set's ranks here, empty
+    when this rank is not in the set). Collective on every rank of the job: the set's first rank on
+    each host creates the segment under a fresh random name (128 bits, so no other local user can
+    take the name first, as they could one derived from the job segment's visible name) and reserves
+    its pages; then one allgather tells every rank the names, or a creator's failure (a full
+    /dev/shm), which every rank then raises at once instead of waiting for a file that never comes.
+    Returns the segment's path ("" when this rank is not in the set)."""
+    status: tuple[str, str] | None = None
+    made = ""
+    if mine and mine[0] == group.rank():
+        s = group.settings()
+        path = f"{group.layout().segment}-s{pid}-{secrets.token_hex(16)}"
+        try:
+            _core.precreate_segment(path, len(mine), s["window"], s["oob"], group.MAX_RECORDS)
+            made, status = path, ("ok", path)
+        except (FastxferError, OSError, ValueError) as e:
+            status = ("error", str(e))
+    every = collectives.allgather_object(status, name="process_sets.add_process_set.segment")
+    failed = [(r, st[1]) for r, st in enumerate(every) if st is not None and st[0] == "error"]
+    if failed:
+        if made:
+            with contextlib.suppress(OSError):
+                os.unlink(made)
+        culprit, why = failed[0]
+        me = group.rank()
+        if me != culprit:
+            group.engine().report(culprit, "failed", f"add_process_set({ranks}): {why}")
+        raise FastxferError(f"add_process_set({ranks}): rank {culprit} could not create the set's shared memory"
+                            f"{' (this rank)' if me == culprit else ''}, so no rank registered it: {why}")
+    return every[mine[0]][1] if mine else ""
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister a process set: collective on every rank of the job, like add_process_set. Its
     ranks stop its engine (collectively among themselves) and free its shared memory; later
     collectives on it raise ProcessSetRemovedError naming its id. Returns True; False when the set
-    was never registered (on every rank alike). ValueError for the global set and for a set that
+    was never registered (on every rank alike). When its ranks stop it unevenly (a collective in
+    flight on some of them) the set is removed all the same and every rank raises MismatchError
+    naming what was left over (a request in flight fails too). ValueError for the global set and for a set that
     was removed already (ProcessSetRemovedError: every rank removed it, so every rank raises)."""
     group.engine()
     if not isinstance(process_set, ProcessSet):
@@ -138,7 +175,18 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         _agree("remove_process_set", [pid], lambda w: f"id {w[0]}" if w[0] >= 0 else "unregistered")
         if not known:
             return False
-        process_sets.forget(process_set)
+        try:
+            process_sets.forget(process_set)  # gone from the registry even when its engine failed
+            why = ""
+        except FastxferError as e:  # e.g. a member had a collective on it in flight, the others not
+            why = f"{type(e).__name__}: {e}"
+        # every rank of the job learns how the set's ranks stopped it, so all return or all raise
+        every = collectives.allgather_object(why, name="process_sets.remove_process_set.stopped")
+        failed = [(r, w) for r, w in enumerate(every) if w]
+        if failed:
+            raise MismatchError(f"remove_process_set: process set {pid} (ranks {process_set.ranks}) is removed, but its "
+                                f"ranks had not run the same collectives on it ({'; '.join(f'rank {r}: {w}' for r, w in failed)}); "
+                                "wait for every collective on a set, on all of its ranks, before removing it")
         return True
 
 

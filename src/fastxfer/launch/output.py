@@ -101,6 +101,9 @@ def say_failed(procs, first: int, reports: dict[int, tuple[int, str]]) -> None:
         if kind == "finished":
             say(f"fastxfer run: job failed: rank {culprit} finished while the others still ran collectives (named by "
                 f"rank {first}: {msg}); rank {first} failed ({describe_exit(code)})" + tail)
+        elif kind == "failed":
+            say(f"fastxfer run: job failed: rank {culprit} failed (named by rank {first}: {msg}); rank {first} "
+                f"failed because of it ({describe_exit(code)})" + tail)
         else:
             say(f"fastxfer run: job failed: rank {culprit} stalled (named by rank {first}: {msg}); rank {first} gave "
                 f"up waiting for it ({describe_exit(code)})" + tail)
@@ -114,7 +117,7 @@ def make_report_dir() -> str:
 
 
 def read_stall_reports(report_dir: str, ranks: int) -> dict[int, tuple[int, str, str]]:
-    """rank -> (the rank it blames, how: "stalled" or "finished", its message), from the reports the
+    """rank -> (the rank it blames, how: "stalled", "finished" or "failed", its message), from the reports the
     ranks' engines write when they fail because of another rank (csrc/transport/shm/segment.cc)."""
     reports = {}
     for r in range(ranks):
