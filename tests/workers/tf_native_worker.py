@@ -79,7 +79,7 @@ def engine_collectives(out):
     reducescatter and grouped_reducescatter (uneven rows; gradients; fp16 compression). Results
     go to OUT.<rank>.npz; the test checks exact values and native == bridge bit for bit."""
 
-    r, n = hvd.rank(), hvd.size()
+    r = hvd.rank()
     got = {}
     for dt in (tf.uint8, tf.int8, tf.uint16, tf.int16, tf.bool):
         x = tf.constant(np.arange(200, 213) * (r + 1) % 256 % (2 if dt == tf.bool else 256)).numpy()

@@ -71,7 +71,6 @@ def draw(events: list[dict], t0: float, t1: float, png: str, title: str) -> None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
     inside = [e for e in events if e["ph"] == "X" and e["ts"] < t1 and e["ts"] + e["dur"] > t0]
     tids = sorted({e["tid"] for e in inside if e["tid"] != 0}, key=lambda t: min(e["ts"] for e in inside
                                                                                  if e["tid"] == t))

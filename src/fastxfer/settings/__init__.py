@@ -20,7 +20,6 @@ import dataclasses
 import math
 import os
 import re
-import sys
 from collections.abc import Callable, Mapping
 
 from fastxfer._validate import BUCKET_CAP_MB_RANGE
