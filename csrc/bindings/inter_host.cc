@@ -10,6 +10,7 @@
 
 #include "common/errors.h"
 #include "common/request.h"
+#include "transport/mpi_native.h"
 
 namespace fastxfer {
 namespace bindings {
@@ -91,7 +92,41 @@ class PyInterHost : public InterHost {
 
 }  // namespace
 
-std::shared_ptr<InterHost> make_py_inter_host(py::object impl) { return std::make_shared<PyInterHost>(std::move(impl)); }
+namespace {
+
+// The native link, holding the Python object that owns its communicators (released with the GIL).
+class OwnedNativeMPI : public NativeMPIInterHost {
+ public:
+  OwnedNativeMPI(const NativeMPIConfig& cfg, py::object owner) : NativeMPIInterHost(cfg), owner_(std::move(owner)) {}
+  ~OwnedNativeMPI() override {
+    py::gil_scoped_acquire gil;
+    owner_ = py::object();
+  }
+
+ private:
+  py::object owner_;
+};
+
+}  // namespace
+
+std::shared_ptr<InterHost> make_py_inter_host(py::object impl) {
+  py::object native = py::getattr(impl, "native", py::none());
+  if (native.is_none()) return std::make_shared<PyInterHost>(std::move(impl));
+  py::dict d = native.cast<py::dict>();
+  NativeMPIConfig cfg;
+  cfg.library = d["library"].cast<std::string>();
+  cfg.family = d["family"].cast<std::string>();
+  cfg.world = d["world"].cast<uintptr_t>();
+  cfg.cross = d["cross"].cast<uintptr_t>();
+  cfg.oob = d["oob"].cast<uintptr_t>();
+  cfg.rank = d["rank"].cast<int>();
+  cfg.size = d["size"].cast<int>();
+  cfg.cross_rank = d["cross_rank"].cast<int>();
+  cfg.cross_size = d["cross_size"].cast<int>();
+  cfg.spin_us = d["spin_us"].cast<double>();
+  cfg.small_bytes = d["small_bytes"].cast<size_t>();
+  return std::make_shared<OwnedNativeMPI>(cfg, std::move(impl));
+}
 
 }  // namespace bindings
 }  // namespace fastxfer

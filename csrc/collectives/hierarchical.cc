@@ -206,14 +206,17 @@ void HierarchicalCollectives::host_lost(const std::string& why) {
     if (lost_.load()) return;
     lost_why_ = why;
     lost_.store(true);
-    lane_->interrupt(why);  // a round waiting on the network fails now
+    inter_->interrupt(why);  // a network wait on the engine's thread fails now
+    lane_->interrupt(why);   // and one on a lane
     if (oob_lane_) oob_lane_->interrupt(why);
   }
   local_->abort();  // and one waiting for a local peer (stuck on its own network call)
 }
 
 void HierarchicalCollectives::on_lane(std::function<void()> f) {
-  if (!beat_) {  // nothing would interrupt the wait: spare the thread hand-off (~0.3 ms a round)
+  // Nothing would interrupt the wait, or the link's own waits can be interrupted: spare the
+  // thread hand-off (~0.3 ms a round).
+  if (!beat_ || inter_->interruptible()) {
     f();
     return;
   }

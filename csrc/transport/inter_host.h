@@ -32,6 +32,11 @@ class InterHost {
   // request (name, dtype, shape, op): ranks whose descriptions differ raise MismatchError.
   virtual void oob_allreduce(const void* in, void* out, size_t n, DType dtype, ReduceOp op,
                              const std::string& what) = 0;
+  // A host was lost: every wait in progress or to come gives up with PeerFailure(why). A link whose
+  // waits can be interrupted so (interruptible()) is called on the engine's own thread; any other
+  // runs on a thread of its own that the engine can abandon (collectives/hierarchical.h, NetLane).
+  virtual void interrupt(const std::string& why) { (void)why; }
+  virtual bool interruptible() const { return false; }
 };
 
 }  // namespace fastxfer

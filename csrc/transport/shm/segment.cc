@@ -345,7 +345,7 @@ void ShmSegment::open_existing(double deadline) {
       throw EngineError("the shared-memory segment " + path_ + " this rank created a moment ago is gone: "
                         "something removed it from " + dir_of(path_));
     }
-    check_members_alive(0);
+    check_members_alive(false);
     if (now_s() > deadline)
       throw PeerFailure(label(cfg_.rank) + " did not find the job's shared memory (" + path_ +
                         ") within " + std::to_string(static_cast<int>(cfg_.attach_timeout_s)) +
@@ -357,14 +357,15 @@ void ShmSegment::open_existing(double deadline) {
   }
 }
 
-void ShmSegment::check_members_alive(int upto) const {
-  // Ranks [0, upto) that have not attached yet (all of them while the segment is not mapped:
-  // upto 0 means rank 0 alone, the creator): dead ones are reported now, by the pid the launcher gave.
-  const int n = std::min<int>(upto == 0 ? 1 : upto, static_cast<int>(cfg_.member_pids.size()));
+void ShmSegment::check_members_alive(bool mapped) const {
+  // Members that have not attached yet (every member while the segment is not mapped): a dead one
+  // is reported now, by the pid the launcher gave. Any member, not only the creator: when one dies,
+  // the creator gives up on this generation and the others must not wait for its file.
+  const int n = std::min<int>(cfg_.size, static_cast<int>(cfg_.member_pids.size()));
   for (int j = 0; j < n; ++j) {
     const int pid = cfg_.member_pids[j];
     if (pid <= 0 || j == cfg_.rank) continue;
-    if (upto > 0 && ctl(j).state.load() >= 1) continue;  // attached: its own pid is watched
+    if (mapped && ctl(j).state.load() >= 1) continue;  // attached: its own pid is watched
     if (kill(pid, 0) != 0 && errno == ESRCH)
       throw PeerFailure(label(j) + " (pid " + std::to_string(pid) + ") died before it attached to the job's shared "
                         "memory; the job re-forms without it");
@@ -401,7 +402,7 @@ void ShmSegment::attach(bool creator, double deadline) {
       if (c.state.load() >= 1 && !shm::process_alive(c.pid))
         throw PeerFailure(label(j) + " died while the job was starting");
     }
-    check_members_alive(cfg_.size);
+    check_members_alive(true);
     if (now_s() > deadline)
       throw PeerFailure("only " + std::to_string(h->attached.value.load()) + " of " + std::to_string(cfg_.size) +
                         " ranks attached within " + std::to_string(static_cast<int>(cfg_.attach_timeout_s)) +

@@ -119,7 +119,7 @@ class ShmSegment {
   int stalled_rank(int j, std::string* doing) const;
   void check_lanes(Phase phase, int j, WaitInfo& info);
   void report_stall(int culprit, const std::string& msg) const;
-  void check_members_alive(int upto) const;
+  void check_members_alive(bool mapped) const;
 
   ShmConfig cfg_;
   std::string path_;  // the segment's file (path_of(cfg_.name))

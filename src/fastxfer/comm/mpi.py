@@ -33,12 +33,37 @@ class MPIInterHost:
         self.cross = comm.Split(color=local_rank, key=host_index)
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
+        self.native = self._native_config(MPI)
         self._builtin = {"sum": MPI.SUM, "average": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "product": MPI.PROD}
         # bool (one byte, 0 or 1): sum and max are a logical or, min and product a logical and
         self._bool_ops = {"sum": MPI.LOR, "max": MPI.LOR, "min": MPI.LAND, "product": MPI.LAND}
         self._mpi_types = {"float32": MPI.FLOAT, "float64": MPI.DOUBLE, "int32": MPI.INT32_T, "int64": MPI.INT64_T,
                            "uint8": MPI.UINT8_T, "int8": MPI.INT8_T, "uint16": MPI.UINT16_T, "int16": MPI.INT16_T}
         self._ops: dict[tuple[str, str], object] = {}
+
+    # The MPI families whose ABI csrc/transport/mpi_native.cc knows, by mpi4py's vendor name.
+    FAMILIES = {"Open MPI": "openmpi", "MPICH": "mpich", "Intel MPI": "mpich", "MVAPICH": "mpich",
+                "MVAPICH2": "mpich"}
+
+    def _native_config(self, MPI) -> dict | None:
+        """What the engine needs to call MPI's C API itself (csrc/transport/mpi_native.h): the
+        loaded library, its ABI family and the communicators' handles. None (the mpi4py path)
+        with FASTXFER_NATIVE_MPI=0 or an MPI whose ABI it does not know."""
+        from fastxfer import settings
+        from fastxfer.comm import group
+
+        family = self.FAMILIES.get(MPI.get_vendor()[0])
+        if not settings.get("FASTXFER_NATIVE_MPI") or family is None:
+            return None
+        return {"library": MPI.__file__, "family": family, "world": MPI._handleof(self.world),
+                "cross": MPI._handleof(self.cross), "oob": MPI._handleof(self.oob), "rank": self.rank,
+                "size": self.size, "cross_rank": self.cross.Get_rank(), "cross_size": self.cross.Get_size(),
+                "spin_us": group.spin_us(), "small_bytes": int(settings.get("FASTXFER_NET_SMALL_KB") * 1024)}
+
+    @property
+    def transport(self) -> str:
+        """How the engine reaches the other hosts: "native MPI (<family>)" or "mpi4py"."""
+        return f"native MPI ({self.native['family']})" if self.native else "mpi4py"
 
     # -- 16-bit floats: MPI has no bf16/fp16 sum; reduce with fastxfer's kernels ------------------
     def _op16(self, dtype: str, op: str):

@@ -96,7 +96,9 @@ def say_failed(procs, first: int, reports: dict[int, tuple[int, str]]) -> None:
     code = procs[first].returncode
     others = describe_all(procs, "rank", skip=first)
     tail = f"; {', '.join(others)}" if others else ""
-    if first in reports and reports[first][0] != first:
+    # a rank that finished early reports itself as the culprit (its own shutdown saw the others
+    # still submitting): whichever of them exits first, the line names it
+    if first in reports and (reports[first][0] != first or reports[first][1] == "finished"):
         culprit, kind, msg = reports[first]
         if kind == "finished":
             say(f"fastxfer run: job failed: rank {culprit} finished while the others still ran collectives (named by "

@@ -249,6 +249,12 @@ _TABLE: tuple[Setting, ...] = (
     Setting("FASTXFER_HOST_TIMEOUT", "float", 5.0,
             "several hosts: seconds without heartbeats before a host is lost, 0: no heartbeats", "soon",
             low=0, high=1e6),
+    Setting("FASTXFER_NATIVE_MPI", "bool", True,
+            "several hosts: call MPI's C API from the engine (no Python, no GIL); 0: through mpi4py, as before",
+            "maybe"),
+    Setting("FASTXFER_NET_SMALL_KB", "float", 64.0,
+            "several hosts: an allreduce shard crosses in one round (each host sends all of it to every other) "
+            "while that sends at most this much, else as a reduce-scatter and an allgather", "-1", low=0, high=1 << 20),
     Setting("FASTXFER_NET_CHUNK_MB", "float", 1.0,
             f"several hosts: allreduce chunk on the wire, {_MB}, overlapped with the next one's "
             "shared-memory stages; 0: no overlap", "-1", low=0, high=4096),
