@@ -373,6 +373,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(fastxfer.bench.hosts; sizes default 1M..64M)")
     p.add_argument("--rates", default="none",
                    help="with --hosts: link rates to run at, tc token-bucket syntax, e.g. none,2gbit,500mbit")
+    p.add_argument("--mpi-configs", default="all",
+                   help="with --hosts: the Open MPI configurations to run, comma-separated (han, no-han, han-simple, "
+                        "han/node, no-han/node) or all (default); fastxfer is compared with the best of them")
     p.add_argument("--repeat", type=int, default=1,
                    help="with --hosts: run every launch this many times, alternating the peers, and report medians")
     p.add_argument("--json", metavar="PATH", help="write results as JSON (- for stdout)")
@@ -388,12 +391,14 @@ def _main_hosts(args: argparse.Namespace) -> int:
         rates = [r.strip() for r in args.rates.split(",") if r.strip()] or ["none"]
         for r in rates:
             hosts.parse_rate(r)
+        mpi_configs = hosts.parse_mpi_configs(args.mpi_configs)
     except ValueError as e:
         raise SystemExit(str(e)) from None
     lo = _parse_size(args.minbytes) if args.minbytes != "1K" else 1 << 20
     sizes = _sizes(lo, _parse_size(args.maxbytes), args.stepfactor)
     peers = tuple(p.strip() for p in args.peers.split(",") if p.strip() in ("fastxfer", "mpi4py"))
-    res = hosts.run(configs, rates, sizes, args.iters_scale, peers or ("fastxfer", "mpi4py"), max(1, args.repeat))
+    res = hosts.run(configs, rates, sizes, args.iters_scale, peers or ("fastxfer", "mpi4py"), max(1, args.repeat),
+                    mpi_configs)
     if args.json:
         write_json(args.json, res)
     if args.json != "-":

@@ -10,7 +10,14 @@ Rows per configuration (``HxK``: H hosts, K ranks on each) and link rate:
 - ``fastxfer none, overlap off``: the same with ``FASTXFER_NET_CHUNK_MB=0`` (by default each
   chunk's network stage runs on a thread of its own, overlapped with the shared-memory stages of
   the next; 0 turns that off), so both are measured;
-- ``mpi4py Allreduce``: float32.
+- ``fastxfer none, mpi4py link``: the same with ``FASTXFER_NATIVE_MPI=0`` (the network stage
+  through mpi4py, holding the GIL, as before the native transport: csrc/transport/mpi_native.h);
+- ``mpi4py Allreduce`` and ``mpi4py Allreduce (<config>)``: float32, Open MPI in every
+  configuration a user could pick (``--mpi-configs``; MPI_CONFIGS: the mapping, the ``han``
+  hierarchical component on, off or with its simple allreduce), because which one wins depends on
+  the link. Each fastxfer row is compared with the best of them at its size and link (``vs best
+  MPI``, naming the configuration), and a rate-limited row with the link's limit: the time the
+  bytes each host must send take at that rate (``of link``).
 
 Every row also counts what the first host put on its link per call (``wire_bytes``, from the
 namespace's /proc/self/net/dev), to check against docs/algorithms.md's ``2(h-1)/h * S`` per host.
@@ -38,7 +45,40 @@ from fastxfer.bench.harness import (GB, free_port, launcher_command, machine_inf
 
 ROWS_FX = ("fastxfer none", "fastxfer bf16")
 OVERLAP = {"1": "fastxfer none, overlap on", "0": "fastxfer none, overlap off"}
+PY_LINK = "fastxfer none, mpi4py link"
 MPI_ROW = "mpi4py Allreduce"
+# Open MPI's configurations a user could pick (mpirun arguments): the default mapping fills a host
+# before the next (by slot), by node deals ranks round-robin; `han` (the hierarchical component)
+# as it comes, off, or with its simple allreduce. The first is what `fastxfer run --hosts` gives.
+MPI_CONFIGS = {
+    "han": (),
+    "no-han": ("--mca", "coll", "^han"),
+    "han-simple": ("--mca", "coll_han_use_simple_allreduce", "1"),
+    "han/node": ("--map-by", "node"),
+    "no-han/node": ("--map-by", "node", "--mca", "coll", "^han"),
+}
+
+
+def mpi_row(config: str) -> str:
+    return MPI_ROW if config == "han" else f"{MPI_ROW} ({config})"
+
+
+def parse_mpi_configs(text: str | None) -> list[str]:
+    """--mpi-configs: "all" (default) or names from MPI_CONFIGS, comma-separated."""
+    if not text or text == "all":
+        return list(MPI_CONFIGS)
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in MPI_CONFIGS]
+    if bad or not names:
+        raise ValueError(f"--mpi-configs: unknown {', '.join(bad) or 'nothing'}; choose from all, "
+                         f"{', '.join(MPI_CONFIGS)}")
+    return names
+
+
+def link_limit_s(hosts: int, nbytes: float, rate_bits: float | None) -> float | None:
+    """The least time an allreduce of `nbytes` (on the wire) can take on links of `rate_bits`: what
+    each host must send, 2(h-1)/h * S, at that rate."""
+    return wire_formula(hosts, nbytes) * 8 / rate_bits if rate_bits else None
 
 
 def parse_configs(text: str) -> list[tuple[int, int]]:
@@ -70,14 +110,16 @@ def wire_formula(hosts: int, nbytes: float) -> float:
 
 
 def _launch_on(sim, slots: int, impl: str, only: tuple[str, ...], sizes: list[int], scale: float, tmp: str,
-               env_extra: dict | None = None) -> tuple[list[dict], str | None]:
+               env_extra: dict | None = None, mpi_args: tuple = ()) -> tuple[list[dict], str | None]:
     out = os.path.join(tmp, f"{impl}-{len(os.listdir(tmp))}")
     worker = worker_command("allreduce_worker", "--impl", impl, "--sizes", ",".join(map(str, sizes)),
                             "--iters-scale", str(scale), "--out", out, "--collectives", "allreduce",
                             "--only", ",".join(only), "--wire")
     env = dict(os.environ, **(env_extra or {}))
     env.pop("FASTXFER_HOST_ID", None)
-    r = subprocess.run(sim.fastxfer_run(slots, worker), env=env, capture_output=True, text=True, timeout=3600)
+    extra = ("--mpi-args", " ".join(mpi_args)) if mpi_args else ()
+    r = subprocess.run(sim.fastxfer_run(slots, worker, extra=extra), env=env, capture_output=True, text=True,
+                       timeout=3600)
     np_ = slots * sim.n
     if r.returncode != 0:
         tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
@@ -145,14 +187,17 @@ def _median_rows(runs: list[list[dict]]) -> list[dict]:
 
 
 def run(configs: list[tuple[int, int]], rates: list[str], sizes: list[int], scale: float = 1.0,
-        peers: tuple[str, ...] = ("fastxfer", "mpi4py"), repeat: int = 1) -> dict:
+        peers: tuple[str, ...] = ("fastxfer", "mpi4py"), repeat: int = 1,
+        mpi_configs: list[str] | None = None) -> dict:
     """`repeat`: every launch that many times, alternating the peers (the machine is shared and
-    noisy); rows carry the median of the repeats' p50s."""
+    noisy); rows carry the median of the repeats' p50s. `mpi_configs`: the Open MPI
+    configurations to run (MPI_CONFIGS names; default all)."""
     from fastxfer.comm.group import net_chunk_bytes
     from fastxfer.bench.simhosts import SimHosts
 
+    mpi_configs = list(mpi_configs or MPI_CONFIGS)
     res = {"machine": machine_info(), "configs": configs, "rates": rates, "rows": [], "skipped": {},
-           "repeat": repeat}
+           "repeat": repeat, "mpi_configs": mpi_configs}
     why = SimHosts.available()
     if why:
         res["skipped"]["hosts"] = why
@@ -172,30 +217,33 @@ def run(configs: list[tuple[int, int]], rates: list[str], sizes: list[int], scal
                             res["skipped"][label] = str(e)
                             status(f"{label}: {e}")
                             continue
+                    # (label, worker impl, rows it reports, environment, mpirun arguments)
                     runs = []
                     if "fastxfer" in peers:
-                        runs.append(("fastxfer", ROWS_FX, {}))
+                        runs.append(("fastxfer none", "fastxfer", ROWS_FX, {}, ()))
                         # the other overlap setting than the default (FASTXFER_NET_CHUNK_MB, if the user set it)
                         other = "0" if net_chunk_bytes() else "1"
-                        runs.append(("fastxfer", ("fastxfer none",), {"FASTXFER_NET_CHUNK_MB": other}))
+                        runs.append((OVERLAP[other], "fastxfer", ("fastxfer none",),
+                                     {"FASTXFER_NET_CHUNK_MB": other}, ()))
+                        runs.append((PY_LINK, "fastxfer", ("fastxfer none",), {"FASTXFER_NATIVE_MPI": "0"}, ()))
                     if "mpi4py" in peers:
-                        runs.append(("mpi4py", (MPI_ROW,), {}))
+                        for name in mpi_configs:
+                            runs.append((mpi_row(name), "mpi4py", (MPI_ROW,), {}, MPI_CONFIGS[name]))
                     got_all: dict[int, list[list[dict]]] = {i: [] for i in range(len(runs))}
                     for rep in range(repeat):
-                        for i, (impl, only, env) in enumerate(runs):
-                            variant = f" ({OVERLAP[env['FASTXFER_NET_CHUNK_MB']].split(', ')[1]})" if env else ""
-                            status(f"{label}: {impl}{variant}, sizes {sizes[0]}..{sizes[-1]} bytes"
+                        for i, (name, impl, only, env, args) in enumerate(runs):
+                            status(f"{label}: {name}, sizes {sizes[0]}..{sizes[-1]} bytes"
                                    + (f", run {rep + 1} of {repeat}" if repeat > 1 else ""))
-                            got, err = _launch_on(sim, slots, impl, only, sizes, scale, tmp, env)
+                            got, err = _launch_on(sim, slots, impl, only, sizes, scale, tmp, env, args)
                             if err:
-                                res["skipped"][f"{label} {impl}"] = err
-                                status(f"{label} {impl}: {err}")
+                                res["skipped"][f"{label} {name}"] = err
+                                status(f"{label} {name}: {err}")
                             elif got:
                                 got_all[i].append(got)
-                    for i, (impl, only, env) in enumerate(runs):
+                    for i, (name, impl, only, env, args) in enumerate(runs):
                         for r in _median_rows(got_all[i]):
-                            if env:
-                                r["impl"] = OVERLAP[env["FASTXFER_NET_CHUNK_MB"]]
+                            if env or args:
+                                r["impl"] = name
                             r.update(hosts=hosts, slots=slots, rate=rate_text if bits else "none", rate_bits=bits,
                                      algbw=r["bytes"] / r["p50"] / GB)
                             res["rows"].append(r)
@@ -213,27 +261,40 @@ def _row(res, hosts, slots, rate, impl, nbytes):
     return None
 
 
+def best_mpi(res: dict, hosts: int, slots: int, rate: str, nbytes: int) -> dict | None:
+    """The fastest Open MPI configuration's row at this size and link (None when none ran)."""
+    rows = [r for r in res["rows"] if (r["hosts"], r["slots"], r["rate"], r["bytes"]) == (hosts, slots, rate, nbytes)
+            and r["impl"].startswith(MPI_ROW) and r["wrong"] == 0]
+    return min(rows, key=lambda r: r["p50"]) if rows else None
+
+
 def targets(res: dict, sizes: list[int]) -> list[dict]:
+    """Issue 33's: float32 at least as fast as the best MPI configuration at every size and link
+    (1.2x at 16 MiB on an unlimited link), and 0.9 of the link's limit at 16 MiB and above on a
+    limited one (bf16 too, against its own, half-size limit)."""
     out = []
-    big = [s for s in sizes if s >= 16 << 20]
     for hosts, slots in res["configs"]:
         for rate in dict.fromkeys(r["rate"] for r in res["rows"]):
             where = f"{hosts}x{slots}" + ("" if rate == "none" else f" @ {rate}")
-            for impl, need in (("fastxfer none", 2.0), ("fastxfer bf16", 2.0)):
-                pairs = [(s, m["p50"] / f["p50"]) for s in big
-                         if (f := _row(res, hosts, slots, rate, impl, s)) and (m := _row(res, hosts, slots, rate,
-                                                                                         MPI_ROW, s))]
-                if pairs:
-                    s, ratio = min(pairs, key=lambda t: t[1])
-                    out.append(target(f"{where}: {impl} >= {need:g}x mpi4py Allreduce at 16 MiB and above "
-                                      f"(worst: {s >> 20} MiB)", ratio, need, ratio >= need))
+            for s in sizes:
+                f = _row(res, hosts, slots, rate, "fastxfer none", s)
+                m = best_mpi(res, hosts, slots, rate, s)
+                if f and m:
+                    need = 1.2 if rate == "none" and s >= 16 << 20 else 1.0
+                    ratio = m["p50"] / f["p50"]
+                    out.append(target(f"{where}, {_size(s)}: fastxfer none >= {need:g}x the best Open MPI "
+                                      f"({m['impl']})", ratio, need, ratio >= need))
+                for impl, wire in (("fastxfer none", s), ("fastxfer bf16", s / 2)):
+                    row = _row(res, hosts, slots, rate, impl, s)
+                    limit = link_limit_s(hosts, wire, row["rate_bits"]) if row else None
+                    if limit and s >= 16 << 20:
+                        frac = limit / row["p50"]
+                        out.append(target(f"{where}, {_size(s)}: {impl} >= 0.9 of the link's limit", frac, 0.9,
+                                          frac >= 0.9))
+            big = [s for s in sizes if s >= 16 << 20]
             if big:
                 s = big[-1]
-                f, b, m = (_row(res, hosts, slots, rate, i, s) for i in ("fastxfer none", "fastxfer bf16", MPI_ROW))
-                if f and b and m:
-                    more = (m["p50"] / b["p50"]) / (m["p50"] / f["p50"])
-                    out.append(target(f"{where}: bf16 beats mpi4py by more than float32 does at {s >> 20} MiB "
-                                      f"(bf16 speed-up / float32 speed-up)", more, 1.0, more > 1.0))
+                f, b = (_row(res, hosts, slots, rate, i, s) for i in ("fastxfer none", "fastxfer bf16"))
                 if f and b and f.get("wire_bytes") and b.get("wire_bytes"):
                     half = b["wire_bytes"] / f["wire_bytes"]
                     out.append(target(f"{where}: bf16 wire bytes / float32 wire bytes at {s >> 20} MiB (<= 0.55)",
@@ -243,6 +304,10 @@ def targets(res: dict, sizes: list[int]) -> list[dict]:
                     out.append(target(f"{where}: float32 wire bytes / docs formula 2(h-1)/h*S at {s >> 20} MiB "
                                       f"(TCP/IP headers: 1.0-1.1)", ratio, 1.1, 1.0 <= ratio <= 1.1))
     return out
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
 
 def _shm_fit(res: dict, slots: int, impl: str):
@@ -301,17 +366,23 @@ def fit_model(res: dict) -> dict:
 
 # ---- report ---------------------------------------------------------------------------------------
 
-COLUMNS = ["hosts", "link", "impl", "bytes", "p50 ms", "algbw GB/s", "vs mpi4py", "wire MB/host", "#wrong"]
+COLUMNS = ["hosts", "link", "impl", "bytes", "p50 ms", "algbw GB/s", "vs best MPI", "best MPI", "of link",
+           "wire MB/host", "#wrong"]
 
 
 def table_rows(res: dict) -> list[list[str]]:
     rows = []
     for r in res["rows"]:
-        m = _row(res, r["hosts"], r["slots"], r["rate"], MPI_ROW, r["bytes"])
-        vs = f"{m['p50'] / r['p50']:.2f}x" if m and r["impl"] != MPI_ROW else ""
+        m = best_mpi(res, r["hosts"], r["slots"], r["rate"], r["bytes"])
+        mine = r["impl"].startswith(MPI_ROW)
+        vs = f"{m['p50'] / r['p50']:.2f}x" if m else ""
+        best = (m["impl"].replace(MPI_ROW, "").strip(" ()") or "han") if m else ""
+        wire_dtype = 2 if "bf16" in r["impl"] else 4
+        limit = link_limit_s(r["hosts"], r["bytes"] * wire_dtype / 4, r.get("rate_bits"))
+        of_link = f"{limit / r['p50']:.2f}" if limit else ""
         wire = f"{r['wire_bytes'] / 1e6:.2f}" if r.get("wire_bytes") is not None else ""
-        rows.append([f"{r['hosts']}x{r['slots']}", r["rate"], r["impl"], str(r["bytes"]), f"{r['p50'] * 1e3:.2f}",
-                     f"{r['algbw']:.2f}", vs, wire, str(r["wrong"])])
+        rows.append([f"{r['hosts']}x{r['slots']}", r["rate"], r["impl"], str(r["bytes"]), f"{r['p50'] * 1e3:.3f}",
+                     f"{r['algbw']:.2f}", vs, best if not mine else "", of_link, wire, str(r["wrong"])])
     return rows
 
 
