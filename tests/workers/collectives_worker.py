@@ -629,7 +629,11 @@ def adasum():
 
 
 def info():
-    print(f"INFO rank={fx.rank()} size={fx.size()} local_rank={fx.local_rank()} local_size={fx.local_size()}")
+    from fastxfer.comm import group
+
+    link = group.layout().inter_host
+    print(f"INFO rank={fx.rank()} size={fx.size()} local_rank={fx.local_rank()} local_size={fx.local_size()} "
+          f"link={link.transport if link else 'none'}")
 
 
 if __name__ == "__main__":
