@@ -50,6 +50,16 @@ def test_hierarchical_results_exact(two_emulated_hosts, mode):
     assert after == before  # the job left no segment behind
 
 
+def test_oob_allreduce_that_disagrees_across_hosts_is_a_mismatch_on_every_rank():
+    """The native link's own agreement check (oob_allreduce compares what every rank submitted
+    before any data moves): every rank raises naming ranks 0 and 1."""
+    r = mpi_launch(4, W, "mismatch", "oob", per_host=2)
+    msg = ("oob_allreduce: rank 0 submitted allreduce 'm' float64[2] op=average prescale=1 postscale=0.25 but rank 1 "
+           "submitted allreduce 'm' float64[3]")
+    for g in range(4):
+        assert f"MISMATCH rank {g}: {msg}" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+
+
 def test_the_mpi4py_link_still_works():
     """FASTXFER_NATIVE_MPI=0: the network stage through mpi4py (the path an MPI whose ABI the native
     link does not know takes), exact like the native one."""
