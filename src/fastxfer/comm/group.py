@@ -508,6 +508,8 @@ def _atexit_shutdown() -> None:
     # collective): waiting there for peers that still compute would hold the failing rank up to
     # FASTXFER_TIMEOUT, and the peers learn of it at once (PeerFailureError naming the error).
     eng = _engine
+    hosts = _layout.hosts if _layout is not None else 1
+    failed = bool(_uncaught)
     try:
         for callback in list(_at_exit):
             callback()
@@ -520,10 +522,12 @@ def _atexit_shutdown() -> None:
         else:
             shutdown()
     except Exception:
-        pass
-    if eng is not None and eng.host_lost:
+        failed = True
+    if eng is not None and (eng.host_lost or (failed and hosts > 1)):
         # A host was lost: an MPI call may still be blocked on it (on a thread of the engine's), and
-        # MPI_Finalize (mpi4py's, after this) would wait for the lost host forever. Leave now.
+        # MPI_Finalize (mpi4py's, after this) would wait for the lost host forever. Leave now. The
+        # same after any failure in a job across hosts: this rank may have failed because a local
+        # peer left on losing a host before its own heartbeats told it so.
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
