@@ -139,10 +139,14 @@ HierarchicalCollectives::HierarchicalCollectives(std::unique_ptr<ShmCollectives>
                                                  const std::string& host_id)
     : local_(std::move(local)), inter_(std::move(inter)), net_chunk_bytes_(net_chunk_bytes), host_id_(host_id),
       lane_(std::make_unique<NetLane>()) {
+  // A network wait gives up when a rank of this host failed or died: it would otherwise last until
+  // this rank's own heartbeats noticed the host that rank lost (the launcher may kill it first).
+  inter_->set_local_watch([local = local_.get()] { local->check_peers_now("a network wait"); });
   if (host_timeout_s > 0) start_heartbeat(host_timeout_s);
 }
 
 HierarchicalCollectives::~HierarchicalCollectives() {
+  inter_->set_local_watch(nullptr);  // it reads the shared memory: gone before the memory may be
   beat_.reset();  // its callback uses the lanes and the shared memory: stop it first
   // A network call still running is stuck on a lost host; if it ever returns it writes into this
   // rank's window (an allreduce shard), so the mapping must outlive it: leave it mapped (its name

@@ -83,7 +83,12 @@ class HierarchicalCollectives : public Collectives {
   }
   void set_engine_idle(bool idle) override { local_->set_engine_idle(idle); }
   size_t oob_capacity() const override { return local_->oob_capacity(); }
-  void abort() override { local_->abort(); }
+  // Waits on a local peer stop, and so do the link's own (a network wait runs on the engine's
+  // thread when the link can be interrupted: leave() must not wait for the heartbeat deadline).
+  void abort() override {
+    local_->abort();
+    inter_->interrupt("this rank's engine was stopped while it waited on the network");
+  }
   bool host_lost() const override { return lost_.load(); }
   CommStats stats() const override { return local_->stats(); }
 

@@ -47,6 +47,9 @@ class ShmCollectives : public Collectives {
   void set_engine_idle(bool idle) override { seg_.set_engine_idle(idle); }
   size_t oob_capacity() const override { return shm_oob_capacity(ctx_); }
   void abort() override { seg_.abort(); }
+  // Throws PeerFailure now if a rank of this host failed or died (no waiting): what a wait on
+  // something else (the network) checks so that it does not outlast a local peer's failure.
+  void check_peers_now(const char* what) const { seg_.check_local_peers(what); }
   CommStats stats() const override { return ctx_.stats; }
 
  private:

@@ -4,6 +4,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -37,6 +38,9 @@ class InterHost {
   // runs on a thread of its own that the engine can abandon (collectives/hierarchical.h, NetLane).
   virtual void interrupt(const std::string& why) { (void)why; }
   virtual bool interruptible() const { return false; }
+  // A check a long network wait runs now and then (every millisecond once it sleeps); it throws to
+  // give up (a rank of this host failed: collectives/hierarchical.cc). Empty: none.
+  virtual void set_local_watch(std::function<void()> check) { (void)check; }
 };
 
 }  // namespace fastxfer

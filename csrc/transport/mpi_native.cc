@@ -190,11 +190,23 @@ NativeMPIInterHost::NativeMPIInterHost(const NativeMPIConfig& cfg) : cfg_(cfg), 
 NativeMPIInterHost::~NativeMPIInterHost() = default;
 
 void NativeMPIInterHost::interrupt(const std::string& why) {
-  {
-    std::lock_guard<std::mutex> lk(why_mu_);
-    why_ = why;
-  }
+  std::lock_guard<std::mutex> lk(why_mu_);
+  if (interrupted_.load()) return;  // the first reason stands (a lost host, then the engine stopping)
+  why_ = why;
   interrupted_.store(true);
+}
+
+void NativeMPIInterHost::set_local_watch(std::function<void()> check) {
+  std::lock_guard<std::mutex> lk(watch_mu_);
+  watch_ = std::move(check);
+}
+
+void NativeMPIInterHost::watch(double waited, double& next) {
+  constexpr double kWatchS = 1e-3;
+  if (waited <= cfg_.spin_us * 1e-6 || waited < next) return;
+  next = waited + kWatchS;
+  std::lock_guard<std::mutex> lk(watch_mu_);
+  if (watch_) watch_();
 }
 
 void NativeMPIInterHost::run(uintptr_t comm, std::vector<Op>& ops, const char* what) {
@@ -226,6 +238,7 @@ void NativeMPIInterHost::run(uintptr_t comm, std::vector<Op>& ops, const char* w
   const double start = now_s();
   const double spin = cfg_.spin_us * 1e-6;
   long sleep_ns = 2000;
+  double next_watch = 0;
   for (;;) {
     int done = 0;
     const int rc = mpi_->testall(static_cast<int>(count), reqs.data(), &done);
@@ -236,7 +249,14 @@ void NativeMPIInterHost::run(uintptr_t comm, std::vector<Op>& ops, const char* w
       std::lock_guard<std::mutex> lk(why_mu_);
       throw PeerFailure(why_);
     }
-    pause(now_s() - start, spin, sleep_ns);
+    const double waited = now_s() - start;
+    try {
+      watch(waited, next_watch);
+    } catch (...) {
+      give_up(count);
+      throw;
+    }
+    pause(waited, spin, sleep_ns);
   }
 }
 
@@ -266,6 +286,7 @@ std::vector<std::vector<char>> NativeMPIInterHost::gather_any(uintptr_t comm, in
   int left = n - 1;
   const double start = now_s();
   long sleep_ns = 2000;
+  double next_watch = 0;
   alignas(16) char status[kStatusBytes];
   while (left > 0) {
     bool progress = false;
@@ -292,7 +313,14 @@ std::vector<std::vector<char>> NativeMPIInterHost::gather_any(uintptr_t comm, in
       std::lock_guard<std::mutex> lk(why_mu_);
       throw PeerFailure(why_);
     }
-    pause(now_s() - start, cfg_.spin_us * 1e-6, sleep_ns);
+    const double waited = now_s() - start;
+    try {
+      watch(waited, next_watch);
+    } catch (...) {
+      for (size_t q = 0; q < sends.size(); ++q) mpi_->cancel_and_free(sreq.data() + q * rb);
+      throw;
+    }
+    pause(waited, cfg_.spin_us * 1e-6, sleep_ns);
   }
   for (;;) {  // the sends (their receivers have matched them; they end at once or soon)
     int done = 0;

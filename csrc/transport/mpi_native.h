@@ -17,6 +17,7 @@
 // owns them (fastxfer.comm.mpi.MPIInterHost) outlives this one.
 #pragma once
 #include <atomic>
+#include <functional>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -60,6 +61,7 @@ class NativeMPIInterHost : public InterHost {
                      const std::string& what) override;
   void interrupt(const std::string& why) override;
   bool interruptible() const override { return true; }
+  void set_local_watch(std::function<void()> check) override;
 
  private:
   struct Op;  // one posted send or receive
@@ -71,7 +73,11 @@ class NativeMPIInterHost : public InterHost {
                      const char* what);
 
   NativeMPIConfig cfg_;
+  // Runs the local watch when it is due (every kWatchS while a wait sleeps or yields).
+  void watch(double waited, double& next);
   std::shared_ptr<NativeMPI> mpi_;
+  std::mutex watch_mu_;  // held while the watch runs: set_local_watch(nullptr) waits for it
+  std::function<void()> watch_;
   std::atomic<bool> interrupted_{false};
   std::mutex why_mu_;
   std::string why_;

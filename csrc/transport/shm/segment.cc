@@ -548,6 +548,21 @@ void ShmSegment::check_lanes(Phase phase, int j, WaitInfo& info) {
                  ". Every rank must call oob_allreduce at the same point of its sequence of collectives");
 }
 
+void ShmSegment::check_local_peers(const char* what) const {
+  for (int j = 0; j < cfg_.size; ++j) {
+    if (j == cfg_.rank) continue;
+    const Control& c = ctl(j);
+    const int32_t st = c.state.load(std::memory_order_acquire);
+    if (st == 3) {
+      std::string why(c.why, strnlen(c.why, sizeof(c.why)));
+      if (c.mismatch.load(std::memory_order_relaxed)) throw Mismatch(why);  // what every rank raises
+      throw PeerFailure(label(j) + " failed: " + why);
+    }
+    if (st == 1 && !shm::process_alive(c.pid))
+      throw PeerFailure(label(j) + " (pid " + std::to_string(c.pid.pid) + ") died during " + what);
+  }
+}
+
 void ShmSegment::check_peers(int waiting_for, Phase phase, const char* what, double waited_s, WaitInfo& info) {
   if (aborted_.load()) throw EngineError("the engine was shut down while waiting (" + std::string(what) + ")");
   for (int j = 0; j < cfg_.size; ++j) {

@@ -50,7 +50,6 @@ class MPIInterHost:
         loaded library, its ABI family and the communicators' handles. None (the mpi4py path)
         with FASTXFER_NATIVE_MPI=0 or an MPI whose ABI it does not know."""
         from fastxfer import settings
-        from fastxfer.comm import group
 
         family = self.FAMILIES.get(MPI.get_vendor()[0])
         if not settings.get("FASTXFER_NATIVE_MPI") or family is None:
@@ -58,7 +57,7 @@ class MPIInterHost:
         return {"library": MPI.__file__, "family": family, "world": MPI._handleof(self.world),
                 "cross": MPI._handleof(self.cross), "oob": MPI._handleof(self.oob), "rank": self.rank,
                 "size": self.size, "cross_rank": self.cross.Get_rank(), "cross_size": self.cross.Get_size(),
-                "spin_us": group.spin_us(), "small_bytes": int(settings.get("FASTXFER_NET_SMALL_KB") * 1024)}
+                "spin_us": settings.get("FASTXFER_SPIN_US"), "small_bytes": int(settings.get("FASTXFER_NET_SMALL_KB") * 1024)}
 
     @property
     def transport(self) -> str:

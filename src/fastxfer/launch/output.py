@@ -96,9 +96,16 @@ def say_failed(procs, first: int, reports: dict[int, tuple[int, str]]) -> None:
     code = procs[first].returncode
     others = describe_all(procs, "rank", skip=first)
     tail = f"; {', '.join(others)}" if others else ""
-    # a rank that finished early reports itself as the culprit (its own shutdown saw the others
-    # still submitting): whichever of them exits first, the line names it
-    if first in reports and (reports[first][0] != first or reports[first][1] == "finished"):
+    # A rank that finished early while the others still submit fails too (its own shutdown saw
+    # them), but only they report it: whichever exits first, the line names the one that finished.
+    if first not in reports or reports[first][0] == first:
+        named = [(r, rep) for r, rep in sorted(reports.items()) if rep[0] == first and rep[1] == "finished"]
+        if named:
+            by, (_, _, msg) = named[0]
+            say(f"fastxfer run: job failed: rank {first} finished while the others still ran collectives (named by "
+                f"rank {by}: {msg}); rank {first} failed ({describe_exit(code)})" + tail)
+            return
+    if first in reports and reports[first][0] != first:
         culprit, kind, msg = reports[first]
         if kind == "finished":
             say(f"fastxfer run: job failed: rank {culprit} finished while the others still ran collectives (named by "
