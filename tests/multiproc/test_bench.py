@@ -32,7 +32,7 @@ def test_bench_allreduce_rows_targets_and_deepspeed(tmp_path):
     before = _deepspeed_segments()
     out = tmp_path / "a.json"
     r = run_command(fastxfer_cmd() + ["bench", "allreduce", "-b", "64K", "-e", "128K", "-f", "2", "--iters-scale",
-                                      "0.1", "--peers", "fastxfer,deepspeed", "--json", str(out)],
+                                      "0.1", "--peers", "fastxfer,deepspeed,intel-mpi", "--json", str(out)],
                     timeout=900, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -61,5 +61,17 @@ def test_bench_allreduce_rows_targets_and_deepspeed(tmp_path):
             assert row["wrong"] == 0 and row["p50"] > 0, row
             assert row["dtype"] == ("bfloat16" if label.endswith(("array", "array fresh", "bf16")) and
                                     not label == "fastxfer bf16" else "float32"), row
+    # Intel MPI from its wheel (.ci/launchers.sh), under its own mpiexec, in its wait mode
+    from fastxfer.bench.allreduce import hydra_prefix
+
+    impi = "Intel MPI (I_MPI_WAIT_MODE=1) Allreduce"
+    if hydra_prefix("intel-mpi"):
+        assert "intel-mpi" not in res["skipped"], res["skipped"]
+        for nbytes in (65536, 131072):
+            assert rows[(impi, nbytes)]["wrong"] == 0 and rows[(impi, nbytes)]["p50"] > 0
+        assert any(t["target"].startswith(f"fastxfer none at least as fast as {impi} at every size")
+                   for t in res["targets"])
+    else:
+        assert res["skipped"]["intel-mpi"].startswith("not found: pip install --prefix DIR impi-rt")
     names = {t["target"].split(" at ")[0] for t in res["targets"]}
     assert {"fresh output busbw >= 0.9x out= busbw", "bf16 array elements/s >= float32 elements/s"} <= names

@@ -553,11 +553,10 @@ void ShmSegment::check_local_peers(const char* what) const {
     if (j == cfg_.rank) continue;
     const Control& c = ctl(j);
     const int32_t st = c.state.load(std::memory_order_acquire);
-    if (st == 3) {
-      std::string why(c.why, strnlen(c.why, sizeof(c.why)));
-      if (c.mismatch.load(std::memory_order_relaxed)) throw Mismatch(why);  // what every rank raises
-      throw PeerFailure(label(j) + " failed: " + why);
-    }
+    // A disagreement between ranks is not a failure to give up on: every rank's own exchange
+    // completes (the rank that saw it first sent its part) and raises the same, full message.
+    if (st == 3 && !c.mismatch.load(std::memory_order_relaxed))
+      throw PeerFailure(label(j) + " failed: " + std::string(c.why, strnlen(c.why, sizeof(c.why))));
     if (st == 1 && !shm::process_alive(c.pid))
       throw PeerFailure(label(j) + " (pid " + std::to_string(c.pid.pid) + ") died during " + what);
   }

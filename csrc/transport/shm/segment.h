@@ -97,8 +97,8 @@ class ShmSegment {
   // "rank N" for the segment's rank j, N its rank in the job (what users see in messages).
   std::string label(int j) const;
   int job_rank(int j) const;
-  // Throws PeerFailure if another rank of the segment failed (its message) or died, Mismatch if it
-  // failed on a disagreement between ranks (which every rank raises alike); returns at once.
+  // Throws PeerFailure if another rank of the segment failed (its message) or died, but not when it
+  // failed on a disagreement between ranks (which every rank finds itself); returns at once.
   void check_local_peers(const char* what) const;
   // Makes every wait in progress (and later) throw EngineError.
   void abort() { aborted_.store(true); }

@@ -1,5 +1,6 @@
 """``fastxfer bench allreduce``: nccl-tests-style allreduce benchmark, fastxfer side by side with
-torch.distributed (gloo, CPU), mpi4py ``Allreduce`` on the installed MPI, Horovod, and DeepSpeed's
+torch.distributed (gloo, CPU), mpi4py ``Allreduce`` on the installed MPI (and on Intel MPI, with its
+wait mode, and MPICH from their wheels, under their own mpiexec, where found: ``hydra_prefix``), Horovod, and DeepSpeed's
 shared-memory allreduce (``deepspeed.comm.inference_all_reduce``, CPU accelerator, in place on
 float32 and bfloat16 tensors, each rank pinned to a core and one OpenMP thread: its best setting
 here) where installed, all on the same ranks of this host.
@@ -57,7 +58,15 @@ def _launch(impl: str, np_: int, sizes: list[int], scale: float, tmp: str,
     worker = worker_command("allreduce_worker", "--impl", impl, "--sizes", ",".join(map(str, sizes)),
                             "--iters-scale", str(scale), "--out", out, "--collectives", ",".join(collectives))
     env = dict(os.environ)
-    if impl == "mpi4py":
+    if impl in HYDRA:
+        prefix = hydra_prefix(impl)
+        label, extra = HYDRA[impl]
+        env.update(MPI4PY_LIBMPI=os.path.join(prefix, "lib", "libmpi.so.12"),
+                   PATH=f"{os.path.join(prefix, 'bin')}:{env.get('PATH', '')}", **extra)
+        worker = worker_command("allreduce_worker", "--impl", "mpi4py", "--sizes", ",".join(map(str, sizes)),
+                                "--iters-scale", str(scale), "--out", out, "--collectives", ",".join(collectives))
+        cmd = [os.path.join(prefix, "bin", "mpiexec"), "-n", str(np_)] + worker
+    elif impl == "mpi4py":
         mpirun = shutil.which("mpirun")
         if mpirun is None:
             return [], "mpirun not on PATH", {}
@@ -89,6 +98,8 @@ def _launch(impl: str, np_: int, sizes: list[int], scale: float, tmp: str,
         row = dict(row)
         row["wrong"] = sum(p["results"][i]["wrong"] for p in per_rank)
         row["ranks"] = np_
+        if impl in HYDRA:  # the mpi4py worker on another MPI: its rows carry that MPI's name
+            row["impl"] = row["impl"].replace("mpi4py", HYDRA[impl][0], 1)
         rows.append(row)
     if impl == "fastxfer":
         rows[0]["engine_stats"] = per_rank[0]["stats"]
@@ -108,7 +119,25 @@ def remove_deepspeed_segments(port, np_: int) -> list[str]:
     return removed
 
 
-PEERS = ("fastxfer", "gloo", "mpi4py", "horovod", "deepspeed")
+PEERS = ("fastxfer", "gloo", "mpi4py", "horovod", "deepspeed", "intel-mpi", "mpich")
+
+# MPIs with hydra's mpiexec, run with the mpi4py worker (mpi4py loads them through MPI4PY_LIBMPI):
+# name -> (row label, environment). Intel MPI spins in its waits by default, which starves ranks
+# that share cores; its wait mode is what such a machine needs, and is its faster setting here.
+HYDRA = {"intel-mpi": ("Intel MPI (I_MPI_WAIT_MODE=1)", {"I_MPI_WAIT_MODE": "1", "I_MPI_FABRICS": "shm"}),
+         "mpich": ("MPICH", {})}
+
+
+def hydra_prefix(impl: str) -> str | None:
+    """Where Intel MPI's or MPICH's wheel is installed: FASTXFER_BENCH_IMPI / FASTXFER_BENCH_MPICH
+    (a prefix with bin/mpiexec and lib/libmpi.so.12), else /opt/fastxfer-ci/{impi,mpich} (where
+    .ci/launchers.sh puts them: `pip install --prefix DIR impi-rt` or `mpich`)."""
+    key, folder = {"intel-mpi": ("FASTXFER_BENCH_IMPI", "impi"), "mpich": ("FASTXFER_BENCH_MPICH", "mpich")}[impl]
+    for prefix in (os.environ.get(key), f"/opt/fastxfer-ci/{folder}"):
+        if prefix and os.path.exists(os.path.join(prefix, "bin", "mpiexec")) and \
+                os.path.exists(os.path.join(prefix, "lib", "libmpi.so.12")):
+            return prefix
+    return None
 
 
 def _installed(module: str) -> bool:
@@ -123,6 +152,13 @@ def _missing(impl: str) -> str | None:
         return "not installed (pip install torch)"
     if impl in ("mpi4py", "horovod") and not _installed(impl):
         return "not installed"
+    if impl in HYDRA:
+        if not _installed("mpi4py"):
+            return "mpi4py not installed"
+        if hydra_prefix(impl) is None:
+            name = "impi-rt" if impl == "intel-mpi" else "mpich"
+            return (f"not found: pip install --prefix DIR {name} and set "
+                    f"{'FASTXFER_BENCH_IMPI' if impl == 'intel-mpi' else 'FASTXFER_BENCH_MPICH'}=DIR")
     if impl == "deepspeed":
         if not _installed("deepspeed"):
             return "not installed (pip install deepspeed; it needs torch, a C++ compiler and ninja)"
@@ -213,6 +249,14 @@ def _targets(rows, big) -> list[dict]:
         ratio = (fx_none["p50"] / (big // 4)) / (array16["p50"] / (big // 2))
         out.append(target(f"bf16 array elements/s >= float32 elements/s at {at}", ratio, 1.0,
                           ratio >= 1.0))
+    for peer in ("mpi4py Allreduce", "Intel MPI (I_MPI_WAIT_MODE=1) Allreduce", "MPICH Allreduce"):
+        for mine in ("fastxfer none", "fastxfer none fresh"):
+            pairs = [(r["bytes"], p["p50"] / r["p50"]) for r in rows
+                     if r["impl"] == mine and (p := _at(rows, peer, r["bytes"]))]
+            if pairs:
+                nbytes, ratio = min(pairs, key=lambda t: t[1])
+                out.append(target(f"{mine} at least as fast as {peer} at every size (worst: {_human(nbytes)})",
+                                  ratio, 1.0, ratio >= 1.0))
     for mine, peer in (("fastxfer none fresh", "deepspeed fp32"), ("fastxfer bf16 array fresh", "deepspeed bf16")):
         pairs = [(r["bytes"], r["busbw"] / p["busbw"]) for r in rows
                  if r["impl"] == mine and r["bytes"] >= 64 << 10 and (p := _at(rows, peer, r["bytes"]))]
