@@ -209,6 +209,26 @@ void NativeMPIInterHost::watch(double waited, double& next) {
   if (watch_) watch_();
 }
 
+void NativeMPIInterHost::cancel(char* reqs, size_t n) {
+  for (size_t i = 0; i < n; ++i) mpi_->cancel_and_free(reqs + i * mpi_->request_bytes());
+}
+
+void NativeMPIInterHost::between_polls(double start, double& next_watch, long& sleep_ns, char* reqs, size_t n) {
+  if (interrupted_.load()) {
+    cancel(reqs, n);
+    std::lock_guard<std::mutex> lk(why_mu_);
+    throw PeerFailure(why_);
+  }
+  const double waited = now_s() - start;
+  try {
+    watch(waited, next_watch);
+  } catch (...) {
+    cancel(reqs, n);
+    throw;
+  }
+  pause(waited, cfg_.spin_us * 1e-6, sleep_ns);
+}
+
 void NativeMPIInterHost::run(uintptr_t comm, std::vector<Op>& ops, const char* what) {
   // Split every operation into pieces MPI's int counts can carry; same tag, so they match in order.
   const size_t rb = mpi_->request_bytes();
@@ -216,9 +236,6 @@ void NativeMPIInterHost::run(uintptr_t comm, std::vector<Op>& ops, const char* w
   for (const Op& o : ops) count += std::max<size_t>(1, (o.bytes + kMaxMessage - 1) / kMaxMessage);
   std::vector<char> reqs(count * rb);
   size_t k = 0;
-  auto give_up = [&](size_t posted) {
-    for (size_t i = 0; i < posted; ++i) mpi_->cancel_and_free(reqs.data() + i * rb);
-  };
   for (const Op& o : ops) {
     size_t off = 0;
     do {
@@ -227,7 +244,7 @@ void NativeMPIInterHost::run(uintptr_t comm, std::vector<Op>& ops, const char* w
       const int rc = o.send ? mpi_->isend(o.buf + off, static_cast<int>(n), o.peer, o.tag, comm, req)
                             : mpi_->irecv(o.buf + off, static_cast<int>(n), o.peer, o.tag, comm, req);
       if (rc != 0) {
-        give_up(k);
+        cancel(reqs.data(), k);
         throw EngineError(std::string(what) + ": MPI_" + (o.send ? "Isend to" : "Irecv from") + " rank " +
                           std::to_string(o.peer) + " failed: " + mpi_->error(rc));
       }
@@ -236,7 +253,6 @@ void NativeMPIInterHost::run(uintptr_t comm, std::vector<Op>& ops, const char* w
     } while (off < o.bytes);
   }
   const double start = now_s();
-  const double spin = cfg_.spin_us * 1e-6;
   long sleep_ns = 2000;
   double next_watch = 0;
   for (;;) {
@@ -244,19 +260,7 @@ void NativeMPIInterHost::run(uintptr_t comm, std::vector<Op>& ops, const char* w
     const int rc = mpi_->testall(static_cast<int>(count), reqs.data(), &done);
     if (rc != 0) throw EngineError(std::string(what) + ": MPI_Testall failed: " + mpi_->error(rc));
     if (done) return;
-    if (interrupted_.load()) {
-      give_up(count);
-      std::lock_guard<std::mutex> lk(why_mu_);
-      throw PeerFailure(why_);
-    }
-    const double waited = now_s() - start;
-    try {
-      watch(waited, next_watch);
-    } catch (...) {
-      give_up(count);
-      throw;
-    }
-    pause(waited, spin, sleep_ns);
+    between_polls(start, next_watch, sleep_ns, reqs.data(), count);
   }
 }
 
@@ -277,7 +281,7 @@ std::vector<std::vector<char>> NativeMPIInterHost::gather_any(uintptr_t comm, in
     const int rc = mpi_->isend(sends[i].buf, static_cast<int>(sends[i].bytes), sends[i].peer, tag, comm,
                                sreq.data() + i * rb);
     if (rc != 0) {
-      for (size_t q = 0; q < i; ++q) mpi_->cancel_and_free(sreq.data() + q * rb);
+      cancel(sreq.data(), i);
       throw EngineError(std::string(what) + ": MPI_Isend failed: " + mpi_->error(rc));
     }
   }
@@ -308,31 +312,14 @@ std::vector<std::vector<char>> NativeMPIInterHost::gather_any(uintptr_t comm, in
       progress = true;
     }
     if (progress || left == 0) continue;
-    if (interrupted_.load()) {
-      for (size_t q = 0; q < sends.size(); ++q) mpi_->cancel_and_free(sreq.data() + q * rb);
-      std::lock_guard<std::mutex> lk(why_mu_);
-      throw PeerFailure(why_);
-    }
-    const double waited = now_s() - start;
-    try {
-      watch(waited, next_watch);
-    } catch (...) {
-      for (size_t q = 0; q < sends.size(); ++q) mpi_->cancel_and_free(sreq.data() + q * rb);
-      throw;
-    }
-    pause(waited, cfg_.spin_us * 1e-6, sleep_ns);
+    between_polls(start, next_watch, sleep_ns, sreq.data(), sends.size());
   }
   for (;;) {  // the sends (their receivers have matched them; they end at once or soon)
     int done = 0;
     const int rc = mpi_->testall(static_cast<int>(sends.size()), sreq.data(), &done);
     if (rc != 0) throw EngineError(std::string(what) + ": MPI_Testall failed: " + mpi_->error(rc));
     if (done) break;
-    if (interrupted_.load()) {
-      for (size_t q = 0; q < sends.size(); ++q) mpi_->cancel_and_free(sreq.data() + q * rb);
-      std::lock_guard<std::mutex> lk(why_mu_);
-      throw PeerFailure(why_);
-    }
-    std::this_thread::yield();
+    between_polls(start, next_watch, sleep_ns, sreq.data(), sends.size());
   }
   return all;
 }

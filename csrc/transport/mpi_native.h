@@ -75,6 +75,11 @@ class NativeMPIInterHost : public InterHost {
   NativeMPIConfig cfg_;
   // Runs the local watch when it is due (every kWatchS while a wait sleeps or yields).
   void watch(double waited, double& next);
+  // Cancels and frees the first `n` requests of `reqs` (a call that gives up).
+  void cancel(char* reqs, size_t n);
+  // Between two polls of a wait begun at `start` on the `n` requests `reqs`: gives up (cancelling
+  // them) when interrupted or when the local watch throws, else spins, yields or sleeps.
+  void between_polls(double start, double& next_watch, long& sleep_ns, char* reqs, size_t n);
   std::shared_ptr<NativeMPI> mpi_;
   std::mutex watch_mu_;  // held while the watch runs: set_local_watch(nullptr) waits for it
   std::function<void()> watch_;
