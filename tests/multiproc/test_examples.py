@@ -29,29 +29,38 @@ def _run(script, *args, timeout=900):
 
 
 def test_transfer_learning_main_job_short():
-    """1 worker, 2 workers and the no-communication ceiling, then the summary with its ratios."""
-    out = _run("transfer_mnist.py", *SHORT)
+    """1 worker, 2 workers and the no-communication ceiling taking turns in two rounds, float32 and bf16
+    switched inside the same processes, then the summary with its means and ratios."""
+    out = _run("transfer_mnist.py", *SHORT, "--seeds", "0,1", "--precisions", "float32,bf16")
     results = [json.loads(m) for m in re.findall(r"RESULT (\{.*\})", out)]
-    assert [(r["workers"], r["mode"]) for r in results] == [(1, "fastxfer"), (2, "fastxfer"), (2, "no-comm")]
-    one, two, ceiling = results
+    turns = [(r["workers"], r["mode"], r["precision"], r["seed"]) for r in results]
+    first = [(1, "fastxfer", "float32", 0), (2, "fastxfer", "float32", 0), (2, "no-comm", "float32", 0),
+             (1, "fastxfer", "bf16", 0), (2, "fastxfer", "bf16", 0), (2, "no-comm", "bf16", 0)]
+    assert turns == first + [(w, m, p, 1) for w, m, p, _ in reversed(first)]  # the second round backwards
     for r in results:
-        assert 1 <= r["epochs"] <= SHORT_EPOCHS
+        assert r["epochs"] == SHORT_EPOCHS and len(r["val_accuracy"]) == SHORT_EPOCHS  # a fixed budget
         correct = r["accuracy"] * VALIDATION  # a count over all the validation images, on every worker count
         assert abs(correct - round(correct)) < 1e-3, r
         assert r["train_images_per_s"] > 0 and set(r["phase_images_per_s"]) == {"pretrain", "finetune"}, r
-    assert one["identical_weights"] and two["identical_weights"]
-    assert not ceiling["identical_weights"]  # no reduction: each worker ends with the model of its own shard
-    assert ceiling["epochs"] == two["epochs"]  # the same steps as the run it bounds
-    for r in (one, two):
-        assert r["accuracy"] > MIN_ACCURACY and r["loss"] < math.log(5), r
-    m = re.search(r"2 workers \(float32\): ([\d.]+)% validation accuracy \(([\d.]+)% with 1 worker\); training at "
-                  r"([\d.]+)x the rate of 1 worker using the whole machine and ([\d.]+)x the no-communication "
-                  r"ceiling", out)
-    assert m, out[-3000:]
-    assert (m[1], m[2]) == (f"{two['accuracy'] * 100:.1f}", f"{one['accuracy'] * 100:.1f}")
-    assert abs(float(m[3]) - two["train_images_per_s"] / one["train_images_per_s"]) < 0.006
-    assert abs(float(m[4]) - two["train_images_per_s"] / ceiling["train_images_per_s"]) < 0.006
+        stop, best = r["early_stop_epoch"], r["early_stop_best_epoch"]
+        assert 1 <= best <= stop <= SHORT_EPOCHS and r["early_stop_accuracy"] == max(r["val_accuracy"][:stop])
+        if r["mode"] == "fastxfer":
+            assert r["identical_weights"], r
+            assert r["accuracy"] > MIN_ACCURACY and r["loss"] < math.log(5), r
+        else:  # no reduction: each worker ends with the model of its own shard
+            assert not r["identical_weights"], r
+    # the ceiling reduced nothing, and took the same data, seed and steps: its first epoch differs from the run's
+    by = {(w, m, p, s): r for r, (w, m, p, s) in zip(results, turns)}
+    for p in ("float32", "bf16"):
+        assert by[(2, "no-comm", p, 0)]["val_accuracy"] != by[(2, "fastxfer", p, 0)]["val_accuracy"]
+    for p in ("float32", "bf16"):
+        m = re.search(rf"{p}: 2 workers ([\d.]+)%, 1 worker ([\d.]+)% \(means of 2 seeds, {SHORT_EPOCHS} "
+                      r"fine-tuning epochs each\): ([-+][\d.]+) points", out)
+        assert m, out[-3000:]
+        mean = {w: sum(by[(w, "fastxfer", p, s)]["accuracy"] for s in (0, 1)) * 50 for w in (1, 2)}
+        assert (m[1], m[2]) == (f"{mean[2]:.1f}", f"{mean[1]:.1f}")
     assert re.search(r"2 workers, no communication +│ +float32 +│ +- +│", out), out[-3000:]
+    assert "Large-batch recipe: learning rate 0.01 per 32 images scaled linearly" in out
 
 
 def test_batch_size_study_short(tmp_path):
