@@ -29,7 +29,8 @@ The summary compares three runs of the same job: 1 worker using the whole machin
 default threads, no binding), 2 workers with fastxfer (bound, one core each), and the ceiling:
 the same 2 worker processes with the same optimizer, callbacks, precision, threads and input
 pipeline, where only the gradient reduction is replaced by a local no-op (each worker's optimizer
-reduces over a process set of itself alone, which leaves its gradients as they are). Both jobs are
+reduces over a process set of itself alone, which leaves its gradients as they are), for at most
+4 epochs of each phase (`--ceiling-epochs`: it only times, and the rates are per epoch). Both jobs are
 started once and take turns, so only one trains at a time, in rounds (one per seed; every other
 round backwards): 1 worker, 2 workers, the ceiling, for each precision. A ratio to the ceiling
 above 1.0 is a measurement error and is shown as one. Timed: the training steps from each fit's
@@ -70,16 +71,22 @@ def parse(argv=None):
                         "instructions (AMX or AVX-512 BF16)")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds, one round each; the summary gives "
                                                      "means (accuracy) and medians (rates) over them")
+    p.add_argument("--ceiling-rounds", type=int, default=3,
+                   help="time the no-communication ceiling in the first N rounds (it adds nothing to the accuracy)")
+    p.add_argument("--ceiling-epochs", type=int, default=4,
+                   help="the ceiling's epochs per phase at most (it only times, from its second epoch on as every run)")
     p.add_argument("--precision", choices=["float32", "bf16"], default="float32", help="(--worker) one precision")
     p.add_argument("--seed", type=int, default=0, help="(--worker) weight initialisation, shuffling, augmentation")
     p.add_argument("--no-comm", action="store_true", help="(--worker) the ceiling: reduce nothing")
     p.add_argument("--tasks", default="",
                    help="(--worker) run these configurations one after the other in the same processes: "
                         "PRECISION:SEED:MODE,... with MODE fastxfer or no-comm (default: --precision, --seed)")
-    # 8: with 4, 2 workers (half the steps, the same 78-step warm-up) ended 1.8 points under 1 worker in the
-    # median of 3 seeds; with 8 the backbones of both converge (bench/RESULTS.md)
-    p.add_argument("--pretrain-epochs", type=int, default=8)
-    p.add_argument("--epochs", type=int, default=10, help="fine-tuning epochs (every run trains all of them)")
+    # A budget both worker counts converge in, so that the comparison measures the parallelism and not a
+    # budget that half the steps fall short of: at 4 + 8 epochs 2 workers ended 0.8-1.0 points under 1 worker,
+    # at 6 + 8 0.8-1.1, at 6 + 12 within 0.3 (means of 3-5 seeds; bench/RESULTS.md). The head is what lags:
+    # a 2-worker run's fine-tuning is still climbing at 8 epochs and level by 12.
+    p.add_argument("--pretrain-epochs", type=int, default=6)
+    p.add_argument("--epochs", type=int, default=12, help="fine-tuning epochs (every run trains all of them)")
     p.add_argument("--patience", type=int, default=3, help="early stopping's patience, for the report beside "
                                                            "the fixed budget")
     p.add_argument("--unfreeze-epochs", type=int, default=0, help="fine-tune the whole network for N more epochs")
@@ -279,9 +286,17 @@ def worker(args) -> None:
     def train(precision: str, seed: int, mode: str) -> dict:
         keras.backend.clear_session()
         keras.mixed_precision.set_dtype_policy("mixed_bfloat16" if precision == "bf16" else "float32")
-        keras.utils.set_random_seed(seed)
+        # every rank its own random stream (seed + 1000 x rank; rank 0 keeps the seed as given): with the same seed
+        # everywhere both halves of the global batch got the same augmentations and dropout masks, which a batch
+        # of 64 should not have (bench/RESULTS.md). The weights still start the same on every rank:
+        # BroadcastGlobalVariablesCallback sends rank 0's.
+        keras.utils.set_random_seed(seed + 1000 * rank)
         timers = {p: [] for p in PHASES}
         ceiling = mode == "no-comm"
+        # the ceiling only times, and a phase's rate is the median of its epochs' (from the second on): it trains
+        # fewer epochs of the same work, in the same processes
+        pre_epochs = min(args.pretrain_epochs, args.ceiling_epochs) if ceiling else args.pretrain_epochs
+        ft_epochs = min(args.epochs, args.ceiling_epochs) if ceiling else args.epochs
 
         def optimizer(rate):
             opt = keras.optimizers.SGD(rate, momentum=0.9, global_clipnorm=args.clipnorm or None)
@@ -299,18 +314,18 @@ def worker(args) -> None:
         base = backbone(keras, args.weights)
         t0 = time.perf_counter()
         if not args.weights:
-            log(f"== pretraining the backbone on digits 0-4 ({len(pre_x)} images, {args.pretrain_epochs} epochs)")
+            log(f"== pretraining the backbone on digits 0-4 ({len(pre_x)} images, {pre_epochs} epochs)")
             pre = keras.Sequential([base, keras.layers.Dense(5, dtype="float32")])
             warm = hvd.schedules.WarmupSchedule(lr, warmup_steps=warmup(len(pre_x)))
             pre.compile(optimizer=optimizer(warm),
                         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
             data, steps = feed(pre_x[shard], pre_y[shard], seed)
-            pre.fit(data, steps_per_epoch=steps, epochs=args.pretrain_epochs, verbose=verbose,
+            pre.fit(data, steps_per_epoch=steps, epochs=pre_epochs, verbose=verbose,
                     callbacks=callbacks("pretrain", len(pre_x[shard])))
         pretrain_s = time.perf_counter() - t0
 
         log(f"== fine-tuning a new head on digits 5-9 ({len(tr_x)} train / {len(va_x)} validation, "
-            f"{args.epochs} epochs), backbone frozen")
+            f"{ft_epochs} epochs), backbone frozen")
         base.trainable = False
         aug = keras.Sequential([keras.layers.RandomTranslation(0.1, 0.1), keras.layers.RandomRotation(0.05)],
                                name="augment")
@@ -320,14 +335,14 @@ def worker(args) -> None:
         model = keras.Model(inp, out)
         # after the warm-up the head's rate decays to 0 by the last epoch: at a constant rate its validation
         # accuracy swings by +-2 points from epoch to epoch
-        total = args.epochs * -(-len(tr_x[shard]) // args.batch_size)
+        total = ft_epochs * -(-len(tr_x[shard]) // args.batch_size)
         after = keras.optimizers.schedules.CosineDecay(lr, decay_steps=max(1, total - warmup(len(tr_x))))
         warm = hvd.schedules.WarmupSchedule(after, warmup_steps=warmup(len(tr_x)))
         model.compile(optimizer=optimizer(warm), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"])
         t1 = time.perf_counter()
         data, steps = feed(tr_x[shard], tr_y[shard], seed)
-        hist = model.fit(data, steps_per_epoch=steps, epochs=args.epochs, verbose=verbose,
+        hist = model.fit(data, steps_per_epoch=steps, epochs=ft_epochs, verbose=verbose,
                          validation_data=(va_x, va_y), callbacks=callbacks("finetune", len(tr_x[shard])))
         if args.unfreeze_epochs:
             log(f"== unfreezing the backbone for {args.unfreeze_epochs} epoch(s) at a tenth of the rate")
@@ -350,7 +365,7 @@ def worker(args) -> None:
                                               "unfreeze": len(tr_x)})
         result = {"workers": size, "mode": mode, "precision": precision, "seed": seed, "lr": lr,
                   "accuracy": float(acc), "loss": float(loss), "epochs": len(curve), "val_accuracy": curve,
-                  "patience": args.patience, "early_stop_epoch": stop_epoch, "early_stop_best_epoch": best_epoch,
+                  "patience": args.patience, "ceiling_epochs": args.ceiling_epochs, "early_stop_epoch": stop_epoch, "early_stop_best_epoch": best_epoch,
                   "early_stop_accuracy": best_acc, "pretrain_s": pretrain_s, "finetune_s": finetune_s,
                   "wall_s": wall, "phase_images_per_s": rates, "train_images_per_s": train_rate,
                   "identical_weights": bool((everyone == everyone[0]).all())}
@@ -388,15 +403,19 @@ def default_precisions() -> tuple[list[str], str | None]:
                          "(--precisions float32,bf16 runs them anyway)")
 
 
-def rounds(precisions: list[str], seeds: list[int], workers: int) -> list[tuple[int, tuple[str, int, str]]]:
+def rounds(precisions: list[str], seeds: list[int], workers: int,
+           ceiling_rounds: int | None = None) -> list[tuple[int, tuple[str, int, str]]]:
     """The turns, in order, one round per seed: for each precision 1 worker, the N workers with fastxfer and
-    the same N workers without communication (the ceiling), one right after the other. The order is reversed
-    in every other round, so that a drift of the machine does not favour one of the three."""
+    the same N workers without communication (the ceiling, in the first `ceiling_rounds` rounds: it only
+    times), one right after the other. The order is reversed in every other round, so that a drift of the
+    machine does not favour one of the three."""
     out = []
     for i, seed in enumerate(seeds):
         one_round = []
         for p in precisions:
-            one_round += [(1, (p, seed, "fastxfer")), (workers, (p, seed, "fastxfer")), (workers, (p, seed, "no-comm"))]
+            one_round += [(1, (p, seed, "fastxfer")), (workers, (p, seed, "fastxfer"))]
+            if ceiling_rounds is None or i < ceiling_rounds:
+                one_round.append((workers, (p, seed, "no-comm")))
         out += one_round if i % 2 == 0 else one_round[::-1]
     return out
 
@@ -409,6 +428,7 @@ def job_command(args, workers: int, tasks: list[tuple[str, int, str]], turns: st
             sys.executable, os.path.abspath(__file__), "--worker",
             "--tasks", ",".join(f"{p}:{s}:{m}" for p, s, m in tasks), "--turns", turns,
             "--pretrain-epochs", str(args.pretrain_epochs), "--epochs", str(args.epochs),
+            "--ceiling-epochs", str(args.ceiling_epochs),
             "--patience", str(args.patience), "--unfreeze-epochs", str(args.unfreeze_epochs),
             "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--clipnorm", str(args.clipnorm),
             "--limit", str(args.limit)] + (["--weights", args.weights] if args.weights else [])
@@ -419,7 +439,7 @@ def run_all(args, precisions: list[str], seeds: list[int]) -> list[dict]:
     trains at a time (the other sleeps between two polls of a file), in the order of `rounds`, so that
     every configuration is timed right next to the ones it is compared with and no round pays for
     starting TensorFlow again."""
-    plan = rounds(precisions, seeds, args.workers)
+    plan = rounds(precisions, seeds, args.workers, args.ceiling_rounds)
     sizes = list(dict.fromkeys(w for w, _ in plan))
     tasks = {w: [t for v, t in plan if v == w] for w in sizes}
     root = tempfile.mkdtemp(prefix="fastxfer-transfer-")
@@ -564,7 +584,8 @@ def summarise(results: list[dict], workers: int, recipe: str = "") -> dict:
           "one round take turns, one right after the other). 1 worker: unbound, TensorFlow's default threads; "
           f"{workers} workers: one core share each "
           f"(--bind socket); the ceiling: the same {workers} processes, optimizer, callbacks and input pipeline "
-          "with the gradient reduction replaced by a local no-op (a process set of one rank).")
+          "with the gradient reduction replaced by a local no-op (a process set of one rank), at most "
+          f"{results[0].get('ceiling_epochs', 4) if results else 4} epochs of each phase (it only times).")
     errors = [(p, f["vs_ceiling_each"]) for (k, p), f in figures.items() if k == "n"]
     for precision, vals in errors:
         over = [v for v in vals if v > 1.0]
@@ -580,9 +601,13 @@ def summarise(results: list[dict], workers: int, recipe: str = "") -> dict:
             continue
         gap = n["accuracy"] - one["accuracy"]
         verdict = "within 1 point" if abs(gap) <= 1.0 else "MORE than 1 point apart"
+        gaps = [(runs[("n", precision, s)]["accuracy"] - runs[("1", precision, s)]["accuracy"]) * 100 for s in seeds
+                if ("n", precision, s) in runs and ("1", precision, s) in runs]
+        n["gap"], n["gap_se"] = gap, (statistics.stdev(gaps) / len(gaps) ** 0.5 if len(gaps) > 1 else None)
+        spread = f" (standard error {n['gap_se']:.1f} over the seeds)" if n["gap_se"] is not None else ""
         line = (f"{precision}: {workers} workers {n['accuracy']:.1f}%, 1 worker {one['accuracy']:.1f}% "
                 f"(mean{'s' if n['seeds'] > 1 else ''} of {n['seeds']} seed{'s' if n['seeds'] > 1 else ''}, "
-                f"{n['epochs']} fine-tuning epochs each): {gap:+.1f} points, {verdict}; training at "
+                f"{n['epochs']} fine-tuning epochs each): {gap:+.1f} points{spread}, {verdict}; training at "
                 f"{_ratio_cell(n['vs_one_each'])} the rate of 1 worker using the whole machine")
         if n["vs_ceiling_each"]:
             line += f" and {_ratio_cell(n['vs_ceiling_each'], bound=True)} of the no-communication ceiling"

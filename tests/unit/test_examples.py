@@ -86,8 +86,11 @@ def test_transfer_summary_gives_accuracy_means_rate_medians_and_flags_a_beaten_c
     assert n["vs_ceiling_each"] == [0.9, 0.8, 1.1]
     # the round whose ceiling was beaten is flagged, not printed as a result
     assert "0.90x (0.80-0.90) +1 error" in out and "ceiling was beaten in 1 of 3 rounds: a measurement error" in out
-    assert "float32: 2 workers 89.5%, 1 worker 88.1% (means of 3 seeds, 10 fine-tuning epochs each): +1.4 points, " \
-           "MORE than 1 point apart; training at 0.90x (0.83-1.10) the rate of 1 worker" in out
+    # per-seed gaps 0.5, 1.4, 2.3: standard error 0.9 / sqrt(3)
+    assert abs(n["gap"] - 1.4) < 1e-9 and abs(n["gap_se"] - 0.9 / 3 ** 0.5) < 1e-9
+    assert "float32: 2 workers 89.5%, 1 worker 88.1% (means of 3 seeds, 10 fine-tuning epochs each): +1.4 points " \
+           "(standard error 0.5 over the seeds), MORE than 1 point apart; training at 0.90x (0.83-1.10) the rate of " \
+           "1 worker" in out
     assert "RECIPE LINE" in out
 
 
@@ -101,7 +104,8 @@ def test_a_ceiling_beaten_in_most_rounds_is_a_measurement_error_without_a_figure
     out = capsys.readouterr().out
     assert figures[("n", "bf16")]["vs_ceiling"] is None
     assert "measurement error (2 of 3)" in out and "1.11x" not in out and "1.05x" not in out
-    assert "bf16: 2 workers 90.0%, 1 worker 90.0%" in out and "+0.0 points, within 1 point" in out
+    assert "bf16: 2 workers 90.0%, 1 worker 90.0%" in out
+    assert "+0.0 points (standard error 0.0 over the seeds), within 1 point" in out
 
 
 def test_early_stopping_is_worked_out_as_keras_would_stop():
@@ -115,6 +119,8 @@ def test_early_stopping_is_worked_out_as_keras_would_stop():
 def test_rounds_take_turns_and_every_other_round_runs_backwards():
     tm = _transfer_mnist()
     plan = tm.rounds(["float32", "bf16"], [0, 1, 2], 2)
+    assert [t for t in tm.rounds(["float32"], [0, 1, 2], 2, ceiling_rounds=1) if t[1][2] == "no-comm"] == \
+        [(2, ("float32", 0, "no-comm"))]  # the ceiling only times: in the first rounds only
     first = [(1, ("float32", 0, "fastxfer")), (2, ("float32", 0, "fastxfer")), (2, ("float32", 0, "no-comm")),
              (1, ("bf16", 0, "fastxfer")), (2, ("bf16", 0, "fastxfer")), (2, ("bf16", 0, "no-comm"))]
     assert plan[:6] == first
