@@ -365,7 +365,8 @@ def worker(args) -> None:
                                               "unfreeze": len(tr_x)})
         result = {"workers": size, "mode": mode, "precision": precision, "seed": seed, "lr": lr,
                   "accuracy": float(acc), "loss": float(loss), "epochs": len(curve), "val_accuracy": curve,
-                  "patience": args.patience, "ceiling_epochs": args.ceiling_epochs, "early_stop_epoch": stop_epoch, "early_stop_best_epoch": best_epoch,
+                  "patience": args.patience, "ceiling_epochs": args.ceiling_epochs,
+                  "early_stop_epoch": stop_epoch, "early_stop_best_epoch": best_epoch,
                   "early_stop_accuracy": best_acc, "pretrain_s": pretrain_s, "finetune_s": finetune_s,
                   "wall_s": wall, "phase_images_per_s": rates, "train_images_per_s": train_rate,
                   "identical_weights": bool((everyone == everyone[0]).all())}
