@@ -192,6 +192,18 @@ void bind_engine(py::module_& m) {
            "Tell `fastxfer run` this rank fails because of job rank `job_culprit` (kind: stalled, finished, "
            "failed); the first culprit a rank names stands.");
   m.def(
+      "segment_bytes",
+      [](int size, size_t window_bytes, size_t oob_bytes, int max_records) {
+        ShmConfig cfg;
+        cfg.size = size;
+        cfg.window_bytes = window_bytes;
+        cfg.oob_bytes = oob_bytes;
+        cfg.max_records = max_records;
+        return ShmSegment::bytes_for(cfg);
+      },
+      py::arg("size"), py::arg("window_bytes"), py::arg("oob_bytes"), py::arg("max_records"),
+      "The bytes a job segment for `size` ranks with these settings takes in /dev/shm.");
+  m.def(
       "precreate_segment",
       [](const std::string& name, int size, size_t window_bytes, size_t oob_bytes, int max_records) {
         ShmConfig cfg;

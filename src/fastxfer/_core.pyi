@@ -240,6 +240,8 @@ class Engine:
         """Tell `fastxfer run` this rank fails because of job rank ``job_culprit`` (``kind``: stalled,
         finished, failed); the first culprit a rank names stands."""
 
+def segment_bytes(size: int, window_bytes: int, oob_bytes: int, max_records: int) -> int:
+    """The bytes a job segment for `size` ranks with these settings takes in /dev/shm."""
 def precreate_segment(name: str, size: int, window_bytes: int, oob_bytes: int, max_records: int) -> None:
     """Create segment ``name`` for ``size`` ranks (exclusively, every page reserved) and leave it for an
     Engine started with ``precreated=True``: a full /dev/shm fails here, before any peer waits for it."""

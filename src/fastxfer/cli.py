@@ -17,6 +17,29 @@ BENCHMARKS = {
 }
 
 
+# What `--help` of each subcommand ends with: one command line that works as it is.
+EXAMPLES = {
+    "run": "fastxfer run -np 2 --bind socket -- python train.py",
+    "topo": "fastxfer topo --workers 2 --json",
+    "doctor": "fastxfer doctor --np 2 --json",
+    "data pack": "fastxfer data pack photos/ train.fxpack",
+    "data info": "fastxfer data info train.fxpack --verify",
+    "bench compress": "fastxfer bench compress --markdown --plot compress.png",
+    "bench allreduce": "fastxfer bench allreduce -np 2 --peers fastxfer,mpi4py -b 4K -e 64M --markdown",
+    "bench pipeline": "fastxfer bench pipeline --markdown",
+    "bench placement": "fastxfer bench placement --markdown",
+    "bench train": "fastxfer bench train --json train.json",
+    "bench timeline": "FASTXFER_TIMELINE=t.json fastxfer run -np 2 python train.py; "
+                      "fastxfer bench timeline t.json --plot step.png",
+    "bench elastic": "fastxfer bench elastic --markdown",
+}
+
+
+def example(name: str) -> str:
+    """The epilog of `name`'s --help."""
+    return f"example:\n  {EXAMPLES[name]}"
+
+
 def _bench(args: argparse.Namespace) -> int:
     import importlib
 
@@ -42,16 +65,26 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     from fastxfer.launch import main as launch
 
     runp = sub.add_parser("run", help="start N workers with rank-prefixed output; one failing stops the rest",
-                          description=launch.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+                          description=launch.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+                          epilog=example("run"))
     launch.add_arguments(runp)
     runp.set_defaults(func=launch.main)
 
     from fastxfer import topology
 
     topo = sub.add_parser("topo", help="machine topology and the worker placement plan",
-                          description=topology.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                          description=topology.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                          epilog=example("topo"))
     topology.add_arguments(topo)
     topo.set_defaults(func=topology.main)
+
+    from fastxfer import doctor
+
+    doc = sub.add_parser("doctor", help="what this installation got (kernels, JPEG, MPI, TensorFlow, /dev/shm, "
+                                        "settings) and what is missing", description=doctor.__doc__,
+                         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=example("doctor"))
+    doctor.add_arguments(doc)
+    doc.set_defaults(func=doctor.main)
 
     from fastxfer.data import cli as data_cli
 
@@ -70,7 +103,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
             continue
         mod = importlib.import_module(f"fastxfer.bench.{name}")
         mod.add_arguments(bsub.add_parser(name, help=help_text, description=mod.__doc__,
-                                          formatter_class=argparse.RawDescriptionHelpFormatter))
+                                          formatter_class=argparse.RawDescriptionHelpFormatter,
+                                          epilog=example(f"bench {name}")))
     bench.set_defaults(func=_bench)
     return p
 

@@ -64,7 +64,7 @@ def probe(root: str | None = None) -> dict:
 
 
 def plan(workers: int | None = None, root: str | None = None, prefer: str = "socket") -> dict:
-    """Topology plus the placement of `workers` (default: one per socket) as DESIGN.md's JSON."""
+    """Topology plus the placement of `workers` (default: one per socket) as `fastxfer topo --json` prints it (docs/topology.md)."""
     native = _core.probe_topology(root or "/", root is None)
     topo = _topology_dict(native)
     n = workers if workers is not None else topo["sockets"]
@@ -162,7 +162,7 @@ def add_arguments(p) -> None:
     p.add_argument("--root", help="read a snapshot laid out like / instead of this machine")
     p.add_argument("--prefer", choices=["socket", "numa"], default="socket",
                    help="which grouping to use when the worker count matches both (default socket)")
-    p.add_argument("--json", action="store_true", help="print JSON (keys as in DESIGN.md)")
+    p.add_argument("--json", action="store_true", help="print JSON (its keys: docs/topology.md)")
 
 
 def main(args) -> int:

@@ -163,7 +163,7 @@ def test_timeline_is_chrome_trace_with_every_gradient_of_every_step(tmp_path):
         assert marks[:2] == ["step 0 begins", "step 0 ends"] and len(marks) == 6, marks
         assert any(e["name"] == "negotiate" for e in events)
     png = tmp_path / "step.png"  # and `fastxfer bench timeline` draws and summarises a step of it
-    r = subprocess.run([sys.executable, "-m", "fastxfer.cli", "bench", "timeline", str(path), "--step", "1", "--png",
+    r = subprocess.run([sys.executable, "-m", "fastxfer.cli", "bench", "timeline", str(path), "--step", "1", "--plot",
                         str(png)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "step 1: " in r.stdout and f"{n_vars} tensors in " in r.stdout, r.stdout

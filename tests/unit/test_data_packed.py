@@ -190,3 +190,23 @@ def test_killed_pack_never_produces_the_output(folder, tmp_path):
     assert len(partial) == 1
     with pytest.raises(PackedFormatError):
         PackedDataset(str(tmp_path / partial[0]))
+
+
+def test_a_folder_of_pngs_is_an_error_and_writes_nothing(tmp_path):
+    """A folder without a single JPEG (PNGs here, made with Pillow) must not give an empty pack and exit 0:
+    exit 1, one line naming the files' kind and what to do, and nothing at the output path."""
+    from PIL import Image
+
+    for c in ("a", "b"):
+        (tmp_path / "src" / c).mkdir(parents=True)
+        for i in range(2):
+            Image.new("RGB", (8, 8), (i, 0, 0)).save(tmp_path / "src" / c / f"{i}.png")
+    out = tmp_path / "out.fxpack"
+    r = run("data", "pack", str(tmp_path / "src"), str(out), "--no-progress")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "none of the 4 file(s) is a JPEG that can be packed (.png;" in r.stderr, r.stderr
+    assert "0.png: not a readable JPEG" in r.stderr and "fastxfer packs JPEG files only" in r.stderr
+    assert "Traceback" not in r.stderr and not out.exists()
+    assert os.listdir(tmp_path) == ["src"]  # no temporary file left beside it either
+    with pytest.raises(Exception, match="nothing to pack into .*: no files were given"):
+        pack([], str(out))

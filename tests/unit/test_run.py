@@ -18,9 +18,19 @@ def test_usage_errors(tmp_path):
     # binding works from any working directory, this checkout included
     r = run("-np", "1", "--bind", "socket", "--", "true")
     assert r.returncode == 0, r.stderr
+    assert "oversubscribed" not in r.stderr
+    cpus = len(os.sched_getaffinity(0))
+    r = run("-np", str(cpus + 1), "--", "true")  # more ranks than CPUs: it runs, and says so once
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count(f"warning: {cpus + 1} ranks on {cpus} usable CPU") == 1, r.stderr
+    assert "oversubscribed; each rank gets a share of a CPU" in r.stderr and f"-np {cpus} or fewer" in r.stderr
     env = dict(os.environ, PATH=str(tmp_path))  # an empty PATH: no mpirun
     r = run("-np", "2", "--hosts", "a:1,b:1", "--", "true", env=env)
     assert r.returncode != 0 and "mpirun, which is not on PATH" in r.stderr
+    # a name nothing resolves (.invalid, RFC 2606): said before mpirun starts, not "gone down" from its daemons
+    r = run("-np", "4", "--hosts", "localhost:2,nosuchhost.invalid:2", "--", "true")
+    assert r.returncode == 1 and "--hosts: cannot resolve 'nosuchhost.invalid' (" in r.stderr, r.stderr
+    assert "gone down" not in r.stderr and "Traceback" not in r.stderr
     r = run("-np", "2", "--net", "10.0.0.0/24", "--", "true")
     assert r.returncode != 0 and "--launch-agent and --net go with --hosts" in r.stderr
 

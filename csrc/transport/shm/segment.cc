@@ -120,18 +120,31 @@ std::string ShmSegment::path_of(const std::string& name) {
   return std::string("/dev/shm") + (name.empty() || name[0] != '/' ? "/" : "") + name;  // as shm_open
 }
 
-void ShmSegment::layout() {
-  cfg_.window_bytes = rounded_window_bytes(cfg_.window_bytes);
-  cfg_.oob_bytes = round_up(std::max<size_t>(cfg_.oob_bytes, kPage), kPage);
-  if (cfg_.max_records < 1) cfg_.max_records = 1;
+ShmSegment::Layout ShmSegment::layout_of(ShmConfig& cfg) {
+  cfg.window_bytes = rounded_window_bytes(cfg.window_bytes);
+  cfg.oob_bytes = round_up(std::max<size_t>(cfg.oob_bytes, kPage), kPage);
+  if (cfg.max_records < 1) cfg.max_records = 1;
+  Layout l;
+  l.header_bytes = round_up(sizeof(Header), kPage);
+  l.rec_off = round_up(sizeof(Control), kPage);
+  l.oob_off = l.rec_off + round_up(64 + 2 * static_cast<size_t>(cfg.max_records) * sizeof(Record), kPage);
+  l.win_off = l.oob_off + cfg.oob_bytes;
+  l.stride = l.win_off + cfg.window_bytes;
+  l.total = l.header_bytes + l.stride * static_cast<size_t>(std::max(cfg.size, 0));
+  return l;
+}
 
-  header_bytes_ = round_up(sizeof(Header), kPage);
+size_t ShmSegment::bytes_for(ShmConfig cfg) { return layout_of(cfg).total; }
+
+void ShmSegment::layout() {
+  const Layout l = layout_of(cfg_);
+  header_bytes_ = l.header_bytes;
   ctl_off_ = 0;
-  rec_off_ = round_up(sizeof(Control), kPage);
-  oob_off_ = rec_off_ + round_up(64 + 2 * static_cast<size_t>(cfg_.max_records) * sizeof(Record), kPage);
-  win_off_ = oob_off_ + cfg_.oob_bytes;
-  stride_ = win_off_ + cfg_.window_bytes;
-  total_ = header_bytes_ + stride_ * cfg_.size;
+  rec_off_ = l.rec_off;
+  oob_off_ = l.oob_off;
+  win_off_ = l.win_off;
+  stride_ = l.stride;
+  total_ = l.total;
 }
 
 namespace {

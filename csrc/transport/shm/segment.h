@@ -62,6 +62,8 @@ class ShmSegment {
   static void precreate(const ShmConfig& cfg);
   // The window size the segment really uses for a requested one (whole pages per half).
   static size_t rounded_window_bytes(size_t requested);
+  // The bytes a segment of `cfg` takes in /dev/shm (cfg.size ranks), as the constructor lays it out.
+  static size_t bytes_for(ShmConfig cfg);
   // The file a ShmConfig::name refers to ("/fastxfer-x" -> "/dev/shm/fastxfer-x"; a path stays).
   static std::string path_of(const std::string& name);
 
@@ -109,6 +111,10 @@ class ShmSegment {
   struct Header;
   struct Control;
 
+  struct Layout {
+    size_t header_bytes = 0, rec_off = 0, oob_off = 0, win_off = 0, stride = 0, total = 0;
+  };
+  static Layout layout_of(ShmConfig& cfg);      // normalises cfg's sizes, then the offsets
   void layout();                                // offsets and total_ from cfg_
   void create();                                // rank 0: exclusive create + reserve every page
   void open_existing(double deadline);          // the others: wait for it, check owner and mode

@@ -16,7 +16,8 @@ import sys
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", help="a timeline file (Chrome-trace JSON written by fastxfer)")
     p.add_argument("--step", type=int, default=-1, help="which marked step (default: the middle one)")
-    p.add_argument("--png", help="write the picture here (needs matplotlib)")
+    p.add_argument("--plot", metavar="PNG", help="write the picture here (needs matplotlib)")
+    p.add_argument("--png", dest="plot", help=argparse.SUPPRESS)  # its first spelling, kept working
     p.add_argument("--title", default="", help="the picture's title")
     p.add_argument("--rank", type=int, default=0, help="whose row of the job's timeline (default 0)")
 
@@ -108,9 +109,9 @@ def main(args: argparse.Namespace) -> int:
           f"buckets {s['bucket_ms']:.1f} ms, negotiating {s['negotiate_ms']:.1f} ms, idle {s['idle_ms']:.1f} ms; "
           f"first gradient submitted at {s['first_submit_ms']:.1f} ms, last reduction ended at "
           f"{s['last_reduce_end_ms']:.1f} ms")
-    if args.png:
-        draw(events, t0, t1, args.png, args.title)
-        print(f"picture: {args.png}")
+    if args.plot:
+        draw(events, t0, t1, args.plot, args.title)
+        print(f"picture: {args.plot}")
     return 0
 
 

@@ -12,7 +12,9 @@ import numpy as np
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="data_command", required=True)
-    pk = sub.add_parser("pack", help="pack an image folder (SRC/<class>/<files>) or a list file of 'path label'")
+    pk = sub.add_parser("pack", help="pack an image folder (SRC/<class>/<files>) or a list file of 'path label'",
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        epilog="example:\n  fastxfer data pack photos/ train.fxpack")
     pk.add_argument("src", help="a folder with one sub-folder per class, or a text file of 'path label' lines")
     pk.add_argument("out", help="the pack to write (replaced atomically)")
     pk.add_argument("--no-progress", action="store_true")
@@ -20,7 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="store the JPEGs byte for byte instead of transcoding them (losslessly) to tiled JPEGs "
                          "with a restart marker per MCU (smaller files; the loader then decodes more per crop)")
     pk.add_argument("--threads", type=int, default=None, help="reading/transcoding threads (default: all CPUs)")
-    info = sub.add_parser("info", help="describe a pack; --verify checks every record's checksum")
+    info = sub.add_parser("info", help="describe a pack; --verify checks every record's checksum",
+                          formatter_class=argparse.RawDescriptionHelpFormatter,
+                          epilog="example:\n  fastxfer data info train.fxpack --verify")
     info.add_argument("file")
     info.add_argument("--verify", action="store_true")
     info.add_argument("--json", action="store_true")

@@ -162,6 +162,17 @@ def _read(path: str):
             os.close(fd)
 
 
+def _nothing_packed(items: list, skipped: list[tuple[str, str]], out: str) -> str:
+    """The error for a pack that would hold no record: what the files were, and what to do."""
+    if not items:
+        return f"nothing to pack into {out}: no files were given"
+    exts = sorted({os.path.splitext(p)[1].lower() or "(no extension)" for p, _ in items})
+    first = "; ".join(f"{p}: {why}" for p, why in skipped[:3])
+    return (f"none of the {len(items)} file(s) is a JPEG that can be packed ({', '.join(exts[:8])}; {first}), so "
+            f"nothing was written to {out}. fastxfer packs JPEG files only: convert the others first (for example "
+            f"with Pillow: Image.open(src).convert('RGB').save(dst, 'JPEG', quality=95)) and pack the JPEGs")
+
+
 def pack(items: Iterable[tuple[str, int]], out: str, classes: list[str] | None = None, progress: bool = True,
          source: str = "", tiles: bool | None = None, threads: int | None = None) -> dict:
     """Write `items` ((path, label) pairs) into `out` atomically. Labels must be integers in
@@ -238,6 +249,8 @@ def pack(items: Iterable[tuple[str, int]], out: str, classes: list[str] | None =
                             n += 1
                         if bar is not None:
                             bar.update(1)
+            if n == 0:  # inside the atomic block: the temporary file goes, nothing replaces `out`
+                raise FastxferError(_nothing_packed(items, skipped, out))
             index = index[:n]
             index_offset = offset
             raw = index.tobytes()

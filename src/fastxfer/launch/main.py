@@ -30,6 +30,18 @@ from fastxfer.launch import elastic, horovod_flags, limits, local, mpirun, outpu
 DESCRIPTION = __doc__ + "\n" + elastic.__doc__
 
 
+
+def oversubscribed(ranks: int) -> bool:
+    """Says so, once, when this host's ranks outnumber the CPUs this launcher may run on: every rank
+    then gets a share of a CPU, and synchronous training moves at the pace of the slowest."""
+    cpus = len(os.sched_getaffinity(0))
+    if ranks <= cpus:
+        return False
+    print(f"fastxfer run: warning: {ranks} ranks on {cpus} usable CPU{'s' if cpus != 1 else ''}: oversubscribed; "
+          f"each rank gets a share of a CPU and every step waits for the slowest (fine for tests; for speed, "
+          f"-np {cpus} or fewer)", file=sys.stderr, flush=True)
+    return True
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """`fastxfer run`'s arguments, on the `run` sub-command's parser (cli.py)."""
     p.add_argument("-np", "--np", "--num-proc", dest="np", type=int, help="number of workers (required, except "
@@ -61,7 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def parser(prog: str = "fastxfer run") -> argparse.ArgumentParser:
     """`fastxfer run`'s parser on its own: its errors show its own usage line (cli.py, horovodrun.py)."""
-    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=f"example:\n  {prog} -np 2 --bind socket -- python train.py")
     add_arguments(p)
     p.set_defaults(func=main)
     return p
@@ -126,6 +139,7 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit("fastxfer run: --launch-agent and --net go with --hosts")
     # every worker of this host can start, or none does (launch/limits.py)
     limits.check(max(args.np, getattr(args, "max_np", None) or 0), bool(args.output_filename))
+    oversubscribed(max(args.np, getattr(args, "max_np", None) or 0))
     placement = None
     if args.bind != "none":
         from fastxfer import topology

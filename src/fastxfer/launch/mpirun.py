@@ -11,11 +11,13 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 
+from fastxfer.launch import horovod_flags
 from fastxfer.launch.job import STOP_SIGNALS, die_with_parent
 from fastxfer.launch.output import describe_exit, exit_code, say
 
@@ -30,8 +32,51 @@ def run(np_: int, command: list[str], hosts: str, agent: str | None, net: str | 
     slots = parse_hosts(hosts)
     extra = list(extra) + (["--output-filename", output_dir] if output_dir else [])
     cmd = mpirun_command(np_, slots, [sys.executable, "-m", "fastxfer.launch.rank_env", "--", *command], extra=extra)  # no mpirun, or too few slots: before anything is said
+    if agent is None:  # a launch agent (the simulated hosts') knows names of its own
+        check_resolvable([h for h, _ in slots])
     env = mpi_environment(np_, slots, agent, net)
     return run_mpirun(cmd, env)
+
+
+def _ssh_hostname(name: str) -> str | None:
+    """The host name ssh would connect to for `name` (a Host alias in ~/.ssh/config), or None."""
+    ssh = shutil.which("ssh")
+    if ssh is None:
+        return None
+    try:
+        r = subprocess.run([ssh, "-G", name], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for line in r.stdout.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "hostname" and value.strip() and value.strip() != name:
+            return value.strip()
+    return None
+
+
+def check_resolvable(names: list[str]) -> None:
+    """SystemExit naming every host of --hosts that neither DNS, /etc/hosts nor an ssh alias resolves:
+    said before mpirun starts, instead of its daemons failing as if the host had gone down."""
+    bad = []
+    for name in dict.fromkeys(names):
+        if horovod_flags.is_this_host(name):
+            continue
+        try:
+            socket.getaddrinfo(name, None)
+            continue
+        except (socket.gaierror, UnicodeError) as e:
+            why = e.strerror if isinstance(e, socket.gaierror) and e.strerror else str(e)
+        alias = _ssh_hostname(name)
+        if alias is not None:
+            try:
+                socket.getaddrinfo(alias, None)
+                continue
+            except (socket.gaierror, UnicodeError):
+                pass
+        bad.append(f"{name!r} ({why})")
+    if bad:
+        raise SystemExit(f"fastxfer run: --hosts: cannot resolve {', '.join(bad)}: no such name in DNS, "
+                         "/etc/hosts or ~/.ssh/config; check the spelling, or give the address")
 
 
 def parse_hosts(text: str) -> list[tuple[str, int]]:
