@@ -217,10 +217,11 @@ def text(report: dict) -> str:
              f"  installed at  {core['package']}",
              f"  kernels       {core['simd']['active']} (this CPU runs: {', '.join(core['simd']['supported'])}; "
              f"offers {', '.join(core['simd']['cpu']) or 'none of avx2/f16c/avx512/amx'})",
-             f"  JPEG decoder  {'ROI decoder, ' + str(jpeg['libjpeg']) if jpeg['available'] else 'off: ' + jpeg['detail']}",
-             f"  MPI           " + (f"{mpi['library']} (MPI {mpi['standard']}, threads: {mpi['thread_level']}; "
+             "  JPEG decoder  " + (f"ROI decoder, {jpeg['libjpeg']}" if jpeg["available"]
+                                   else f"off: {jpeg['detail']}"),
+             "  MPI           " + (f"{mpi['library']} (MPI {mpi['standard']}, threads: {mpi['thread_level']}; "
                                     f"mpi4py {mpi['mpi4py']})" if mpi.get("library") else mpi["detail"]),
-             f"  TensorFlow    " + (f"{tf['tensorflow']}, Keras {tf['keras']}: {tf['detail']}" if tf["tensorflow"]
+             "  TensorFlow    " + (f"{tf['tensorflow']}, Keras {tf['keras']}: {tf['detail']}" if tf["tensorflow"]
                                     else tf["detail"])]
     if shm.get("free_bytes") is not None:
         lines.append(f"  /dev/shm      {shm['dir']}: {_mib(shm['free_bytes'])} free of {_mib(shm['size_bytes'])}; "
