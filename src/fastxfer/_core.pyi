@@ -232,6 +232,15 @@ class Engine:
         """Reduce a small array on the out-of-band lane, on the calling thread (GIL released)."""
     def stats(self) -> CommStats:
         """Where the time went so far (a snapshot)."""
+    @property
+    def host_lost(self) -> bool:
+        """A host of the job was lost (heartbeats across hosts): MPI cannot be finalized."""
+    def mark(self, name: str) -> None:
+        """A step mark on the timeline (FASTXFER_TIMELINE); no-op without one."""
+    def make_current(self) -> None:
+        """Make this the engine that the TensorFlow op library (the C interface) submits to."""
+    def make_process_set_engine(self, process_set_id: int) -> None:
+        """Make this the engine of process set `process_set_id` for the TensorFlow op library."""
     def shutdown(self) -> None:
         """Leave the group (collective); stops the engine thread."""
     def leave(self, why: str) -> None:
@@ -240,6 +249,13 @@ class Engine:
         """Tell `fastxfer run` this rank fails because of job rank ``job_culprit`` (``kind``: stalled,
         finished, failed); the first culprit a rank names stands."""
 
+def clear_current_engine() -> None:
+    """Detach the C interface from the engine (shutdown): later native submissions fail cleanly."""
+def clear_process_set_engine(process_set_id: int) -> None:
+    """Forget process set `process_set_id`'s engine (remove_process_set): its submissions fail cleanly."""
+def connect_op_library(path: str) -> None:
+    """Hand the already loaded TensorFlow op library at `path` this module's engine interface
+    (RuntimeError when it is not loaded or refuses the interface's version)."""
 def segment_bytes(size: int, window_bytes: int, oob_bytes: int, max_records: int) -> int:
     """The bytes a job segment for `size` ranks with these settings takes in /dev/shm."""
 def precreate_segment(name: str, size: int, window_bytes: int, oob_bytes: int, max_records: int) -> None:
