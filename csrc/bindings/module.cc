@@ -10,6 +10,7 @@
 
 #include "bindings/arrays.h"
 #include "common/errors.h"
+#include "common/log.h"
 #include "common/output_pool.h"
 #include "common/parallel.h"
 #include "kernels/compress.h"
@@ -45,6 +46,10 @@ PYBIND11_MODULE(_core, m) {
     }
   });
 
+  m.def("set_log_level", &fastxfer::set_log_level, py::arg("level"),
+        "The level (Python's numbers) below which the native core's own messages are dropped: the `fastxfer` "
+        "logger's (fastxfer/log.py).");
+  m.def("log_level", &fastxfer::log_level, "The native core's message level (set_log_level).");
   m.def(
       "configure",
       [](const std::string& simd_level, int threads, size_t output_pool_cap_bytes) {

@@ -3,6 +3,8 @@
 // from here and comes back when the array, and every view of it, is gone).
 #include "common/output_pool.h"
 
+#include "common/log.h"
+
 #include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -188,7 +190,7 @@ void pool_release(void* p, size_t bytes) noexcept {
     }
   }
   if (bad && !g_reported_bad.exchange(true))
-    std::fprintf(stderr, "fastxfer: output pool: release of a buffer that is not live (ignored; reported once)\n");
+    log_line(kLogError, "output pool: release of a buffer that is not live (ignored; reported once)");
   unmap_all(unmap);
 }
 

@@ -40,6 +40,9 @@ def exit_quietly_if_uncaught(error: BaseException) -> None:
 
 
 def _configure() -> None:
+    from fastxfer import log
+
+    log.configure()  # FASTXFER_LOG_LEVEL: the `fastxfer` logger's level, and the native core's
     level = settings.get("FASTXFER_SIMD")
     threads = settings.get("FASTXFER_THREADS")
     pool_mb = settings.get("FASTXFER_OUTPUT_POOL_MB")

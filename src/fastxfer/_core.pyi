@@ -15,6 +15,11 @@ __version__: str
 
 # ---- process-wide settings (fastxfer/__init__.py applies fastxfer.settings' values at import) ----
 
+def set_log_level(level: int) -> None:
+    """The level (Python's numbers) below which the native core's own messages are dropped: the `fastxfer`
+    logger's (fastxfer/log.py)."""
+def log_level() -> int:
+    """The native core's message level (set_log_level)."""
 def configure(simd_level: str, threads: int, output_pool_cap_bytes: int) -> None:
     """The process-wide settings: the kernel path ("": the best this CPU supports; ValueError for one it
     cannot run), the kernels' default thread count (0: the CPUs of the affinity mask) and the output pool's

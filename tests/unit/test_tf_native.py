@@ -23,6 +23,12 @@ from fastxfer.tensorflow import native
 if sys.argv[1] != "-":
     native.PATH = sys.argv[1]
 fx.init()
+import logging
+said = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        said.append(record.getMessage())
+logging.getLogger("fastxfer").addHandler(Keep(logging.WARNING))
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     x = tf.constant(np.arange(6, dtype=np.float32))
@@ -30,7 +36,7 @@ with warnings.catch_warnings(record=True) as caught:
     b = tf.function(lambda t: hvd.allreduce(t, op="average", compression="bf16"))(x).numpy()
     c = hvd.allgather(tf.constant([[1, 2]], tf.int64)).numpy()
 print(json.dumps({"native": native.library() is not None, "reason": native.reason(),
-                  "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
+                  "warnings": said + [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
                   "a": a.tolist(), "b": b.tolist(), "c": c.tolist()}))
 fx.shutdown()
 """

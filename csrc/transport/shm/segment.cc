@@ -8,6 +8,8 @@
 // docs/algorithms.md lists their steps and bytes.
 #include "transport/shm/segment.h"
 
+#include "common/log.h"
+
 #include <fcntl.h>
 #include <pwd.h>
 #include <sys/mman.h>
@@ -625,8 +627,7 @@ void ShmSegment::check_peers(int waiting_for, Phase phase, const char* what, dou
                               label(waiting_for) + " (" + what + "); " + who + " " + doing +
                               ". It is declared failed after FASTXFER_TIMEOUT=" +
                               std::to_string(static_cast<int>(cfg_.timeout_s)) + " s";
-      std::fprintf(stderr, "fastxfer: stall: %s\n", msg.c_str());
-      std::fflush(stderr);
+      log_line(kLogWarning, "stall: " + msg);
       report_stall(culprit, msg);
       return;
     }

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import logging
 import os
 import secrets
 import socket
@@ -27,6 +26,7 @@ import warnings
 from collections.abc import Callable
 
 from fastxfer import _core, topology
+from fastxfer import log as fxlog
 from fastxfer import _validate as check
 from fastxfer import settings as config
 from fastxfer.settings import horovod as horovod_settings
@@ -317,7 +317,7 @@ def init(comm=None, process_sets=None, *, timeout: float | None = None, engine_c
     """
     global _engine, _layout, _generation
     config.validate_all()
-    _apply_log_level()
+    fxlog.configure()
     _warn_horovod_variables()
     if comm is not None and not _is_comm_world(comm):
         raise NotImplementedError("init(comm=...): fastxfer's job is every rank the launcher started; pass the "
@@ -379,6 +379,7 @@ def init(comm=None, process_sets=None, *, timeout: float | None = None, engine_c
                 here = layout.host_of_rank(layout.rank)
         _engine.make_current()  # what the native TensorFlow ops submit to (engine/c_api.h)
         _layout = layout
+        fxlog.set_rank(layout.rank)
         log.info("rank %d of %d (local rank %d of %d, %d host(s)), started by %s", layout.rank, layout.size,
                  layout.local_rank, layout.local_size, layout.hosts, layout.source)
         for callback in list(_engine_started):
@@ -390,20 +391,8 @@ def init(comm=None, process_sets=None, *, timeout: float | None = None, engine_c
             callback(process_sets)
 
 
-log = logging.getLogger("fastxfer")
+log = fxlog.logger
 _warned_horovod = False
-
-
-def _apply_log_level() -> None:
-    """FASTXFER_LOG_LEVEL (or HOROVOD_LOG_LEVEL) on the `fastxfer` logger, with a handler on stderr
-    when the application configured none."""
-    if not config.is_set("FASTXFER_LOG_LEVEL"):
-        return
-    log.setLevel(config.get("FASTXFER_LOG_LEVEL").upper())
-    if not log.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("fastxfer %(levelname)s: %(message)s"))
-        log.addHandler(handler)
 
 
 def _warn_horovod_variables() -> None:

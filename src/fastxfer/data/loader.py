@@ -40,7 +40,6 @@ import operator
 import os
 import queue
 import threading
-import warnings
 
 import numpy as np
 
@@ -51,6 +50,7 @@ from fastxfer.data.decoders import IMAGENET_MEAN, IMAGENET_STD
 from fastxfer.data.format import PackedFormatError
 from fastxfer.data.reader import PackedDataset
 from fastxfer.data.sampling import augment_params, image_uniforms, mixup
+from fastxfer.log import logger
 
 
 MAX_TARGET_BYTES = 1 << 30  # one-hot (mixup / label smoothing) targets per batch: larger is refused
@@ -124,8 +124,8 @@ class Loader:
                 elif decoder == "native":
                     raise RuntimeError(f"the native JPEG decoder is not available: {why} (use decoder='numba')")
                 else:
-                    warnings.warn(f"fastxfer.data: native JPEG decoder unavailable ({why}); using simplejpeg + Numba, "
-                                  f"which is slower", RuntimeWarning, stacklevel=2)
+                    logger.warning("fastxfer.data: native JPEG decoder unavailable (%s); using simplejpeg + Numba, "
+                                   "which is slower", why)
             if self._decoder is None:
                 try:
                     from fastxfer.data.decoders.numba_ref import NumbaDecoder
@@ -267,15 +267,15 @@ class Loader:
             bad = n - sum(ok)
             self.skipped += bad
             if sum(ok):
-                warnings.warn(f"fastxfer.data: skipped {bad} unreadable record(s) in batch {b} of epoch {self.epoch} "
-                              f"(e.g. {first_error}); their slots hold other images of the batch, with their labels",
-                              RuntimeWarning, stacklevel=2)
+                logger.warning(f"fastxfer.data: skipped {bad} unreadable record(s) in batch {b} of epoch "
+                               f"{self.epoch} (e.g. {first_error}); their slots hold other images of the batch, with "
+                               f"their labels")
             else:
                 self.skipped_batches += 1
-                warnings.warn(f"fastxfer.data: skipped batch {b} of epoch {self.epoch}: none of its {n} record(s) "
-                              f"is readable (e.g. {first_error}); its slots hold other records of this rank's "
-                              f"epoch ({', '.join(map(str, used[:8]))}{', ...' if len(used) > 8 else ''}), with "
-                              f"their labels", RuntimeWarning, stacklevel=2)
+                logger.warning(f"fastxfer.data: skipped batch {b} of epoch {self.epoch}: none of its {n} record(s) "
+                               f"is readable (e.g. {first_error}); its slots hold other records of this rank's "
+                               f"epoch ({', '.join(map(str, used[:8]))}{', ...' if len(used) > 8 else ''}), with "
+                               f"their labels")
         targets = labels
         if self.mixup_alpha > 0 or self.label_smoothing > 0:
             mrng = np.random.default_rng(np.random.SeedSequence([self.seed, self.epoch, self.rank, b, 1]))

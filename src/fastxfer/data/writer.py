@@ -12,7 +12,6 @@ import stat
 import sys
 import threading
 import time
-import warnings
 import zlib
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +23,7 @@ from fastxfer.data.decoders.native import libjpeg_path, native_decoder_status
 from fastxfer.data.format import (DATA_OFFSET, FOOTER, FOOTER_MAGIC, HEADER, INDEX_DTYPE, MAGIC, MAX_CLASSES,
                                   MAX_SIDE, VERSION, PackedFormatError)
 from fastxfer.errors import FastxferError
+from fastxfer.log import logger
 
 
 def _jpeg_header(data: bytes):
@@ -193,8 +193,7 @@ def pack(items: Iterable[tuple[str, int]], out: str, classes: list[str] | None =
     if tiles is None:
         ok, why = native_decoder_status()
         if not ok:
-            warnings.warn(f"fastxfer.data.pack: storing JPEGs untiled: the native decoder is unavailable ({why})",
-                          RuntimeWarning, stacklevel=2)
+            logger.warning("fastxfer.data.pack: storing JPEGs untiled: the native decoder is unavailable (%s)", why)
         tiles = ok
     tiler = _Tiler() if tiles else None
     threads = max(1, threads or len(os.sched_getaffinity(0)))

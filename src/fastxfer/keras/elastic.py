@@ -37,6 +37,7 @@ else:
 from fastxfer.elastic import HostsUpdatedInterrupt, ObjectState, State
 from fastxfer.tensorflow.distributed_optimizer import accumulators
 from fastxfer.tensorflow.elastic import TensorFlowKerasState, TensorFlowState, run
+from fastxfer.log import logger
 
 
 class KerasState(TensorFlowKerasState):
@@ -162,9 +163,8 @@ class UpdateBatchStateCallback(keras.callbacks.Callback):
             elif hasattr(loop, "data_adapter") and hasattr(loop, "_num_batches"):  # Keras 3
                 loop._num_batches = loop.data_adapter.num_batches
             else:
-                warnings.warn("fastxfer.keras.elastic: this Keras's fit loop is not one fastxfer knows; the epochs "
-                              "after a mid-epoch reset may be shorter than steps_per_epoch", RuntimeWarning,
-                              stacklevel=2)
+                logger.warning("fastxfer.keras.elastic: this Keras's fit loop is not one fastxfer knows; the "
+                               "epochs after a mid-epoch reset may be shorter than steps_per_epoch")
             self._unfilter()
 
 

@@ -237,7 +237,7 @@ _TABLE: tuple[Setting, ...] = (
             check=_file_path, accepted_text="a file path (not a directory)", default_text="no timeline"),
     Setting("FASTXFER_TIMELINE_MARK_CYCLES", "bool", False,
             "mark every negotiation round of the engine on the timeline (horovodrun --timeline-mark-cycles)", "maybe"),
-    Setting("FASTXFER_LOG_LEVEL", "choice", "warning", "the level of the `fastxfer` Python logger", "loud",
+    Setting("FASTXFER_LOG_LEVEL", "choice", "warning", "the level of the `fastxfer` logger and of the native core's messages", "loud",
             choices=("debug", "info", "warning", "error", "critical")),
     Setting("FASTXFER_SHM_DIR", "text", "/dev/shm", "the directory of the shared-memory segments, on a tmpfs",
             "shm", check=_existing_directory, accepted_text="the absolute path of an existing directory"),

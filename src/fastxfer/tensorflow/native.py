@@ -22,11 +22,11 @@ from __future__ import annotations
 import os
 import struct
 import threading
-import warnings
 
 import tensorflow as tf
 
 from fastxfer import _core, settings
+from fastxfer.log import logger
 
 PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_tfops.so")
 
@@ -66,8 +66,8 @@ def library():
                 _lib = lib
             except Exception as e:  # any reason at all: fall back, loudly, once
                 _reason = f"{type(e).__name__}: {e}"
-                warnings.warn(f"fastxfer: the native TensorFlow ops could not be loaded ({_reason}); collectives on "
-                              "tensors fall back to the slower tf.numpy_function bridge", RuntimeWarning, stacklevel=3)
+                logger.warning("the native TensorFlow ops could not be loaded (%s); collectives on tensors fall "
+                               "back to the slower tf.numpy_function bridge", _reason)
         _tried = True
         return _lib
 
