@@ -20,11 +20,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import tempfile
 
 import numpy as np
 
+from fastxfer import log as fxlog
 from fastxfer import _safefile
 from fastxfer import settings as config
 from fastxfer.comm import collectives, group
@@ -77,8 +77,7 @@ def stop() -> str | None:
         except FastxferError as e:
             keep = _beside(path, rank)
             _safefile.copy(part, keep, private=True)
-            print(f"fastxfer: the timeline could not be gathered ({e}); rank {rank}'s part is in {keep}",
-                  file=sys.stderr, flush=True)
+            fxlog.logger.error("the timeline could not be gathered (%s); rank %d's part is in %s", e, rank, keep)
             return None
         if rank == 0:
             parts, at = [], 0
