@@ -35,7 +35,8 @@ started once and take turns, so only one trains at a time, in rounds (one per se
 round backwards): 1 worker, 2 workers, the ceiling, for each precision. A ratio to the ceiling
 above 1.0 is a measurement error and is shown as one. Timed: the training steps from each fit's
 second epoch on (the first traces the graph and meets every shape for the first time; validation
-is left out too); a phase's rate is the median of its epochs' rates; "train img/s" is the whole
+is left out too); a phase's rate is the median of its epochs' rates, and the ratio to the ceiling
+takes the run's rate over the same epochs as the ceiling's (its 2nd to 4th); "train img/s" is the whole
 job's rate over one pretraining plus one fine-tuning epoch. bf16 rows are on by default where
 the CPU has bf16 instructions (AMX or AVX-512 BF16): elsewhere TensorFlow runs bf16 convolutions
 through generic kernels, several times slower than float32.
@@ -361,14 +362,17 @@ def worker(args) -> None:
         everyone = hvd.allgather(weights[None].astype("float32")).numpy()
         timed = {p: hvd.allgather(np.array([[e for t in timers[p] for e in t.timed()]], np.float64).reshape(1, -1, 2)
                                   ).numpy() for p in PHASES if timers[p]}
-        rates, train_rate = job_rates(timed, {"pretrain": 0 if args.weights else len(pre_x), "finetune": len(tr_x),
-                                              "unfreeze": len(tr_x)})
+        epoch_images = {"pretrain": 0 if args.weights else len(pre_x), "finetune": len(tr_x), "unfreeze": len(tr_x)}
+        rates, train_rate = job_rates(timed, epoch_images)
+        # the same epochs as the ceiling times (its second to its last), for the ratio to it: like for like
+        _, early_rate = job_rates({p: t[:, :max(args.ceiling_epochs - 1, 1)] for p, t in timed.items()}, epoch_images)
         result = {"workers": size, "mode": mode, "precision": precision, "seed": seed, "lr": lr,
                   "accuracy": float(acc), "loss": float(loss), "epochs": len(curve), "val_accuracy": curve,
                   "patience": args.patience, "ceiling_epochs": args.ceiling_epochs,
                   "early_stop_epoch": stop_epoch, "early_stop_best_epoch": best_epoch,
                   "early_stop_accuracy": best_acc, "pretrain_s": pretrain_s, "finetune_s": finetune_s,
                   "wall_s": wall, "phase_images_per_s": rates, "train_images_per_s": train_rate,
+                  "ceiling_window_images_per_s": early_rate,
                   "identical_weights": bool((everyone == everyone[0]).all())}
         log("RESULT " + json.dumps(result))
         rate = f"{train_rate:.0f} training images/s" if train_rate else "no timed steps"
@@ -515,11 +519,14 @@ def summarise(results: list[dict], workers: int, recipe: str = "") -> dict:
     runs = {(r["kind"], r["precision"], r["seed"]): r for r in results}
 
     def ratios(kind, precision, over) -> list[float]:
+        # to the ceiling: over the epochs it timed (the run's same epochs); to 1 worker: over the whole runs
+        key = "ceiling_window_images_per_s" if over == "ceiling" else "train_images_per_s"
         vals = []
         for s in seeds:
             a, b = runs.get((kind, precision, s)), runs.get((over, precision, s))
-            if a and b and a["train_images_per_s"] and b["train_images_per_s"]:
-                vals.append(a["train_images_per_s"] / b["train_images_per_s"])  # same round: run side by side
+            x, y = (a.get(key) or a["train_images_per_s"], b.get(key) or b["train_images_per_s"]) if a and b else (0, 0)
+            if x and y:
+                vals.append(x / y)  # same round: run side by side
         return vals
 
     figures, rows = {}, []
@@ -580,7 +587,8 @@ def summarise(results: list[dict], workers: int, recipe: str = "") -> dict:
     print("Every run trains the same fixed epochs; \"early stopping\" is what Keras's EarlyStopping (patience "
           f"{results[0].get('patience', 3) if results else 3}, best weights restored) would have given on the same "
           "validation curve. Timed: training steps from each fit's second epoch on (the first traces the graph; "
-          "validation left out), a phase's rate the median of its epochs'; train img/s = the whole job's rate over "
+          "validation left out), a phase's rate the median of its epochs' (to the ceiling: over the epochs it "
+          "timed); train img/s = the whole job's rate over "
           "one pretraining plus one fine-tuning epoch; ratios are medians of the rounds' own ratios (the runs of "
           "one round take turns, one right after the other). 1 worker: unbound, TensorFlow's default threads; "
           f"{workers} workers: one core share each "

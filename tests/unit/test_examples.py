@@ -136,3 +136,17 @@ def test_worker_tasks_name_what_is_wrong():
     for bad in ("float64:0:fastxfer", "float32:x:fastxfer", "float32:0:nccl", "float32:0"):
         with pytest.raises(SystemExit, match="is not PRECISION:SEED:MODE"):
             tm.parse_tasks(tm.parse(["--worker", "--tasks", bad]))
+
+
+def test_the_ratio_to_the_ceiling_takes_the_runs_rate_over_the_ceilings_epochs():
+    tm = _transfer_mnist()
+    results = []
+    for seed in range(3):
+        n = _result("n", "float32", seed, 0.9, 1000)
+        n["ceiling_window_images_per_s"] = 900  # the run's epochs 2-4, where the ceiling timed
+        c = _result("ceiling", "float32", seed, 0.5, 950)
+        c["ceiling_window_images_per_s"] = 950
+        results += [_result("1", "float32", seed, 0.9, 800), n, c]
+    f = tm.summarise(results, 2)[("n", "float32")]
+    assert f["vs_ceiling_each"] == [900 / 950] * 3  # not 1000 / 950, a measurement error
+    assert f["vs_one_each"] == [1000 / 800] * 3  # to 1 worker: the whole runs
