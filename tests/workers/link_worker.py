@@ -26,7 +26,9 @@ def record(text: str) -> None:
 end = time.monotonic() + seconds
 steps = 0
 try:
-    while time.monotonic() < end:
+    # every rank stops after the same step: rank 0's clock decides, through the collective (each rank's own
+    # clock once let rank 0 finish while another rank had started one step more)
+    while not fx.broadcast(np.array([time.monotonic() >= end], np.int32), root=0, name="stop")[0]:
         y = fx.allreduce(x, op="sum", name="g")
         assert y[0] == n * (n + 1) / 2 and y[-1] == y[0], (y[0], y[-1])
         if steps % 4 == 0:  # rows r+1 from rank r
