@@ -27,6 +27,35 @@ CollectiveKind kind_from_name(const std::string& k) {
   throw py::value_error("unknown collective '" + k + "'");
 }
 
+Request request_from_py(Engine& eng, const std::string& kind, const std::string& name, py::object input,
+                        py::object output, const std::string& op, const std::string& compression, int root,
+                        double prescale, double postscale, int64_t bucket_cap, std::vector<int64_t> splits) {
+  RequestSpec q;
+  q.kind = kind_from_name(kind);
+  q.name = name;
+  q.op = op_from_name(op);
+  q.compression = compression_from_name(compression);
+  q.root = root;
+  q.prescale = prescale;
+  q.postscale = postscale;
+  q.bucket_cap = bucket_cap;
+  q.splits = std::move(splits);
+  size_t numel = 0;
+  if (!input.is_none()) {
+    py::array in = input.cast<py::array>();
+    q.has_data = true;
+    q.dtype = dtype_from_name(dtype_str(in));
+    numel = size_of(in);
+    q.shape = shape_of(in);
+    q.in = checked_data(in, "input", dtype_str(in), numel, false);
+  }
+  if (!output.is_none()) {
+    py::array out = output.cast<py::array>();
+    q.out = checked_data(out, "output", dtype_name(q.dtype), numel, true);
+  }
+  return build_request(std::move(q), eng);
+}
+
 }  // namespace
 
 void bind_engine(py::module_& m) {
@@ -38,7 +67,8 @@ void bind_engine(py::module_& m) {
       .def_readonly("negotiate_s", &CommStats::negotiate)
       .def_readonly("chunks", &CommStats::chunks)
       .def_readonly("rounds", &CommStats::rounds)
-      .def_readonly("wire_bytes", &CommStats::bytes);
+      .def_readonly("wire_bytes", &CommStats::bytes)
+      .def_readonly("eager_buckets", &CommStats::eager);
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine", "The background collective engine over shared memory (one per process).")
       .def(py::init([](const std::string& name, int rank, int size, size_t window_bytes, size_t oob_bytes,
                        double timeout_s, double attach_timeout_s, int threads, std::vector<int> cpus,
@@ -47,7 +77,8 @@ void bind_engine(py::module_& m) {
                        double stall_warning_s, const std::string& report_dir, std::vector<int> segment_ranks,
                        std::vector<int> job_ranks, size_t net_chunk_bytes, double host_timeout_s,
                        bool yield_on_wake, const std::string& host_id, double clock_offset_us,
-                       bool timeline_mark_cycles, std::vector<int> member_pids, bool precreated) {
+                       bool timeline_mark_cycles, std::vector<int> member_pids, bool precreated,
+                       size_t eager_bytes) {
              JobConfig job;
              job.shm.name = name;
              job.shm.rank = rank;
@@ -70,6 +101,7 @@ void bind_engine(py::module_& m) {
              job.host_timeout_s = host_timeout_s;
              job.host_id = host_id;
              job.engine.yield_on_wake = yield_on_wake;
+             job.engine.eager_bytes = eager_bytes;
              job.engine.bucket_cap_bytes = bucket_cap_bytes;
              job.engine.max_records = max_records;
              job.engine.cpus = std::move(cpus);
@@ -91,7 +123,7 @@ void bind_engine(py::module_& m) {
            py::arg("net_chunk_bytes") = static_cast<size_t>(1u << 20), py::arg("host_timeout_s") = 0.0,
            py::arg("yield_on_wake") = true, py::arg("host_id") = "", py::arg("clock_offset_us") = 0.0,
            py::arg("timeline_mark_cycles") = false, py::arg("member_pids") = std::vector<int>{},
-           py::arg("precreated") = false)
+           py::arg("precreated") = false, py::arg("eager_bytes") = static_cast<size_t>(32u << 10))
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("size", &Engine::size)
       .def_property_readonly("oob_capacity", &Engine::oob_capacity)
@@ -105,36 +137,38 @@ void bind_engine(py::module_& m) {
           [](Engine& eng, const std::string& kind, const std::string& name, py::object input, py::object output,
              const std::string& op, const std::string& compression, int root, double prescale, double postscale,
              int64_t bucket_cap, bool defer, std::vector<int64_t> splits) {
-            RequestSpec q;
-            q.kind = kind_from_name(kind);
-            q.name = name;
-            q.op = op_from_name(op);
-            q.compression = compression_from_name(compression);
-            q.root = root;
-            q.prescale = prescale;
-            q.postscale = postscale;
-            q.bucket_cap = bucket_cap;
-            q.splits = std::move(splits);
-            size_t numel = 0;
-            if (!input.is_none()) {
-              py::array in = input.cast<py::array>();
-              q.has_data = true;
-              q.dtype = dtype_from_name(dtype_str(in));
-              numel = size_of(in);
-              q.shape = shape_of(in);
-              q.in = checked_data(in, "input", dtype_str(in), numel, false);
-            }
-            if (!output.is_none()) {
-              py::array out = output.cast<py::array>();
-              q.out = checked_data(out, "output", dtype_name(q.dtype), numel, true);
-            }
-            Request r = build_request(std::move(q), eng);
-            return eng.submit(std::move(r), defer);
+            return eng.submit(request_from_py(eng, kind, name, input, output, op, compression, root, prescale,
+                                              postscale, bucket_cap, std::move(splits)),
+                              defer);
           },
           py::arg("kind"), py::arg("name"), py::arg("input"), py::arg("output"), py::arg("op") = "sum",
           py::arg("compression") = "none", py::arg("root") = 0, py::arg("prescale") = 1.0,
           py::arg("postscale") = 1.0, py::arg("bucket_cap") = 0, py::arg("defer") = false,
           py::arg("splits") = std::vector<int64_t>())
+      .def(
+          "run",
+          [](Engine& eng, const std::string& kind, const std::string& name, py::object input, py::object output,
+             const std::string& op, const std::string& compression, int root, double prescale, double postscale,
+             int64_t bucket_cap) {
+            // submit + wait + release in one call, for a synchronous collective whose result goes
+            // into `output` (the caller holds both arrays for the whole call: nothing to keep alive)
+            Request req = request_from_py(eng, kind, name, input, output, op, compression, root, prescale,
+                                          postscale, bucket_cap, {});
+            req.tracked = false;  // nothing for take_finished(): this call holds the buffers and waits
+            const uint64_t id = eng.submit(std::move(req), true);
+            py::gil_scoped_release nogil;
+            try {
+              eng.wait(id);
+            } catch (...) {
+              eng.release(id);
+              throw;
+            }
+            eng.release(id);
+          },
+          py::arg("kind"), py::arg("name"), py::arg("input"), py::arg("output"), py::arg("op") = "sum",
+          py::arg("compression") = "none", py::arg("root") = 0, py::arg("prescale") = 1.0,
+          py::arg("postscale") = 1.0, py::arg("bucket_cap") = 0,
+          "A synchronous collective into `output`: submit, wait (without the GIL) and release in one call.")
       .def("wait", &Engine::wait, py::arg("id"), py::call_guard<py::gil_scoped_release>())
       .def("done", &Engine::done, py::arg("id"))
       .def("release", &Engine::release, py::arg("id"))

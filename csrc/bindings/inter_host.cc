@@ -38,9 +38,15 @@ class PyInterHost : public InterHost {
     py::gil_scoped_acquire gil;
     impl_.attr("allreduce_shard")(view(buf, n * dtype_size(dtype)), dtype_name(dtype), op_name(op));
   }
+  std::vector<std::vector<char>> allgather_bytes_across(const std::vector<char>& mine) override {
+    return gather(mine, "allgather_bytes_across");
+  }
   std::vector<std::vector<char>> allgather_bytes(const std::vector<char>& mine) override {
+    return gather(mine, "allgather_bytes");
+  }
+  std::vector<std::vector<char>> gather(const std::vector<char>& mine, const char* method) {
     py::gil_scoped_acquire gil;
-    py::list got = impl_.attr("allgather_bytes")(py::bytes(mine.data(), mine.size()));
+    py::list got = impl_.attr(method)(py::bytes(mine.data(), mine.size()));
     std::vector<std::vector<char>> out;
     for (auto item : got) {
       std::string b = item.cast<std::string>();

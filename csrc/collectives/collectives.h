@@ -41,6 +41,7 @@ struct ReducescatterJob {
 struct CommStats {
   double pack = 0, wait = 0, reduce = 0, unpack = 0, negotiate = 0;
   uint64_t chunks = 0, rounds = 0, bytes = 0;
+  uint64_t eager = 0;  // buckets that travelled with the records (the one-exchange path)
 };
 
 class Collectives {
@@ -52,6 +53,20 @@ class Collectives {
   // Publishes this rank's records (the requests it has, in order, starting at the same global
   // index on every rank) and returns every rank's list, indexed by rank.
   virtual std::vector<std::vector<Record>> exchange_records(const std::vector<Record>& mine) = 0;
+
+  // The one-exchange path for small allreduces (docs/algorithms.md, "Small allreduces"): the data
+  // of the round's leading allreduces travels with the records, so such a bucket costs one wait
+  // between ranks instead of the negotiation's and the chunk protocol's three.
+  // The largest packed bucket it takes (0: no such path).
+  virtual size_t eager_capacity() const { return 0; }
+  // Before exchange_records: this rank's offer, the bucket of its first `count` requests (`job`
+  // null when count is 0). Every rank offers in every round, if only 0.
+  virtual void eager_offer(const AllreduceJob* job, uint32_t count) { (void)job, (void)count; }
+  // After exchange_records: how many leading requests every rank's offer covered (the minimum).
+  virtual uint32_t eager_agreed() const { return 0; }
+  // Runs the bucket of the first n <= eager_agreed() requests (a prefix of the offered bucket,
+  // which every rank laid out alike) from the data that came with the records.
+  virtual void eager_allreduce(const AllreduceJob& job) { (void)job; }
 
   virtual void allreduce(const AllreduceJob& job) = 0;
   // `nbytes` on every rank; `in` is read on the root only; `out` written everywhere.

@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "common/errors.h"
+#include "fusion/pack.h"
 #include "kernels/reduce.h"
 
 namespace fastxfer {
@@ -249,23 +250,26 @@ std::vector<std::vector<Record>> HierarchicalCollectives::exchange_records(const
 std::vector<std::vector<Record>> HierarchicalCollectives::exchange(const std::vector<Record>& mine) {
   auto inter = inter_;
   // Network calls on the lane, on buffers the job owns (a job left running must not write here).
-  auto allgather_bytes = [&](std::vector<char> bytes) {
+  auto gather = [&](std::vector<char> bytes, bool across) {
     auto box = std::make_shared<std::vector<std::vector<char>>>();
-    on_lane([inter, box, bytes = std::move(bytes)] { *box = inter->allgather_bytes(bytes); });
+    on_lane([inter, box, across, bytes = std::move(bytes)] {
+      *box = across ? inter->allgather_bytes_across(bytes) : inter->allgather_bytes(bytes);
+    });
     return std::move(*box);
   };
   auto gather_all = [&](const std::vector<Record>& recs) {
     std::vector<char> bytes(recs.size() * sizeof(Record));
     std::memcpy(bytes.data(), recs.data(), bytes.size());
     std::vector<std::vector<Record>> all;
-    for (const auto& b : allgather_bytes(std::move(bytes))) {
+    for (const auto& b : gather(std::move(bytes), false)) {
       std::vector<Record> l(b.size() / sizeof(Record));
       std::memcpy(l.data(), b.data(), l.size() * sizeof(Record));
       all.push_back(std::move(l));
     }
     return all;
   };
-  // 1. Within the host, as usual.
+  eager_ = 0;
+  // 1. Within the host, as usual (with the data of the small allreduces offered).
   auto local = local_->exchange_records(mine);
   size_t m = mine.size();
   for (const auto& l : local) m = std::min(m, l.size());
@@ -273,58 +277,120 @@ std::vector<std::vector<Record>> HierarchicalCollectives::exchange(const std::ve
   for (size_t j = 1; j < local.size() && local_ok; ++j)
     for (size_t i = 0; i < m && local_ok; ++i)
       local_ok = compare_records(local[0][i], 0, local[j][i], static_cast<int>(j)).empty();
-  // 2. Across hosts, in one allgather: each rank's count (-1: its host disagrees inside) and, for
-  //    each of its first `count` records, the running digest and its element count and first
-  //    dimension (what an allgather needs of every rank). The agreed prefix is the shortest count
-  //    anywhere; it runs if every rank's digest of it is the same. Every rank takes part in every
-  //    step, so a disagreement anywhere becomes a MismatchError everywhere (with global rank
-  //    numbers, from a second allgather of the records themselves).
+  // 2. Across hosts, with this rank's counterparts only (one per host): after step 1 every rank of
+  //    a host knows the same things, so what one says for its host each of the others would say
+  //    too. The message: the host's count (-1: it disagrees inside), the running digest after each
+  //    of its first `count` records, then the one-exchange path's share: how many requests the
+  //    host's partial result covers and that partial (reduced over the host's ranks in rank order,
+  //    unscaled, in the wire dtype). The agreed prefix is the shortest count anywhere; it runs if
+  //    every host's digest of it is the same. Every rank reaches the same verdict from the same
+  //    messages; a disagreement anywhere becomes a MismatchError everywhere (with global rank
+  //    numbers, from an allgather of the records themselves over every rank).
   const size_t k = local_ok ? m : 0;
   const std::vector<uint64_t> dig = running_digests(mine, k);
-  std::vector<int64_t> words(1 + 3 * k);
-  words[0] = local_ok ? static_cast<int64_t>(m) : -1;
-  for (size_t i = 0; i < k; ++i) {
-    std::memcpy(&words[1 + 3 * i], &dig[i + 1], sizeof(uint64_t));
-    words[2 + 3 * i] = mine[i].numel;
-    words[3 + 3 * i] = mine[i].ndim > 0 ? mine[i].shape[0] : 1;
-  }
-  std::vector<char> payload(words.size() * sizeof(int64_t));
-  std::memcpy(payload.data(), words.data(), payload.size());
-  const std::vector<std::vector<char>> got = allgather_bytes(std::move(payload));
-  const size_t n = got.size();
-  std::vector<std::vector<int64_t>> theirs(n);
-  int64_t agreed = std::numeric_limits<int64_t>::max();
-  for (size_t j = 0; j < n; ++j) {
-    theirs[j].resize(got[j].size() / sizeof(int64_t));
-    std::memcpy(theirs[j].data(), got[j].data(), theirs[j].size() * sizeof(int64_t));
-    const int64_t c = theirs[j].empty() ? -1 : theirs[j][0];
-    if (c < 0 || theirs[j].size() != 1 + 3 * static_cast<size_t>(c)) {
+  const int64_t host_eager = local_ok && offered_.numel > 0 ? std::min<int64_t>(local_->eager_agreed(), k) : 0;
+  const size_t partial_numel = host_eager > 0 ? eager_numel(offered_, static_cast<size_t>(host_eager)) : 0;
+  const size_t partial_bytes = partial_numel * dtype_size(offered_.wire_dtype);
+  const int64_t head[3] = {local_ok ? static_cast<int64_t>(m) : -1, host_eager, static_cast<int64_t>(partial_bytes)};
+  std::vector<char> payload(sizeof head + k * sizeof(uint64_t) + partial_bytes);
+  std::memcpy(payload.data(), head, sizeof head);
+  if (k > 0) std::memcpy(payload.data() + sizeof head, &dig[1], k * sizeof(uint64_t));
+  if (partial_bytes > 0)
+    local_->eager_partial(offered_, partial_numel, offered_op_, payload.data() + sizeof head + k * sizeof(uint64_t));
+  std::vector<std::vector<char>> got = gather(std::move(payload), true);
+  const size_t hosts = got.size();
+  int64_t agreed = std::numeric_limits<int64_t>::max(), eager = std::numeric_limits<int64_t>::max();
+  std::vector<int64_t> count(hosts);
+  for (size_t h = 0; h < hosts && agreed >= 0; ++h) {
+    int64_t their[3] = {-1, -1, -1};
+    if (got[h].size() >= sizeof their) std::memcpy(their, got[h].data(), sizeof their);
+    count[h] = their[0];
+    if (their[0] < 0 || their[1] < 0 || their[2] < 0 ||
+        got[h].size() != sizeof their + static_cast<size_t>(their[0]) * sizeof(uint64_t) + static_cast<size_t>(their[2])) {
       agreed = -1;
       break;
     }
-    agreed = std::min(agreed, c);
+    agreed = std::min(agreed, their[0]);
+    eager = std::min(eager, their[1]);
   }
   if (agreed < 0) return gather_all(mine);
   const size_t a = static_cast<size_t>(agreed);
-  std::vector<Record> prefix(mine.begin(), mine.begin() + a);
-  auto digest_of = [&](size_t j) {
+  auto digest_of = [&](size_t h) {
     if (a == 0) return dig[0];
     uint64_t d;
-    std::memcpy(&d, &theirs[j][1 + 3 * (a - 1)], sizeof d);
+    std::memcpy(&d, got[h].data() + 3 * sizeof(int64_t) + (a - 1) * sizeof(uint64_t), sizeof d);
     return d;
   };
-  for (size_t j = 1; j < n; ++j)
-    if (digest_of(j) != digest_of(0)) return gather_all(prefix);
-  // 3. Identical everywhere. An allgather takes every rank's own sizes.
+  std::vector<Record> prefix(mine.begin(), mine.begin() + a);
+  for (size_t h = 1; h < hosts; ++h)
+    if (digest_of(h) != digest_of(0)) return gather_all(prefix);
+  // 3. Identical everywhere. An allgather takes every rank's own sizes: for a round that has one,
+  //    each rank's element count and first dimension of each record, from every rank.
+  const size_t n = static_cast<size_t>(inter_->size());
   std::vector<std::vector<Record>> all(n, prefix);
-  for (size_t i = 0; i < a; ++i) {
-    if (static_cast<CollectiveKind>(prefix[i].kind) != CollectiveKind::kAllgather) continue;
+  bool sizes = false;
+  for (const Record& r : prefix) sizes = sizes || static_cast<CollectiveKind>(r.kind) == CollectiveKind::kAllgather;
+  if (sizes) {
+    std::vector<int64_t> words(2 * a);
+    for (size_t i = 0; i < a; ++i) {
+      words[2 * i] = prefix[i].numel;
+      words[2 * i + 1] = prefix[i].ndim > 0 ? prefix[i].shape[0] : 1;
+    }
+    std::vector<char> bytes(words.size() * sizeof(int64_t));
+    std::memcpy(bytes.data(), words.data(), bytes.size());
+    const std::vector<std::vector<char>> each = gather(std::move(bytes), false);
     for (size_t j = 0; j < n; ++j) {
-      all[j][i].numel = theirs[j][2 + 3 * i];
-      if (all[j][i].ndim > 0) all[j][i].shape[0] = theirs[j][3 + 3 * i];
+      if (each[j].size() != 2 * a * sizeof(int64_t)) throw EngineError("agreement round across hosts: rank " +
+                                                                       std::to_string(j) + " sent sizes of another round");
+      std::memcpy(words.data(), each[j].data(), each[j].size());
+      for (size_t i = 0; i < a; ++i) {
+        if (static_cast<CollectiveKind>(prefix[i].kind) != CollectiveKind::kAllgather) continue;
+        all[j][i].numel = words[2 * i];
+        if (all[j][i].ndim > 0) all[j][i].shape[0] = words[2 * i + 1];
+      }
+    }
+  }
+  if (eager > 0) {
+    // Every host's partial covers at least `eager` requests, laid out alike (the same records in
+    // the same order): keep them, in host order, for eager_allreduce.
+    eager_ = static_cast<uint32_t>(std::min<int64_t>(eager, agreed));
+    partials_.clear();
+    partial_from_.clear();
+    for (size_t h = 0; h < hosts; ++h) {
+      partial_from_.push_back(sizeof(int64_t) * 3 + static_cast<size_t>(count[h]) * sizeof(uint64_t));
+      partials_.push_back(std::move(got[h]));
     }
   }
   return all;
+}
+
+size_t HierarchicalCollectives::eager_numel(const Bucket& b, size_t count) {
+  return count == 0 ? 0 : b.offsets[count - 1] + b.numels[count - 1];
+}
+
+void HierarchicalCollectives::eager_offer(const AllreduceJob* job, uint32_t count) {
+  local_->eager_offer(job, count);
+  offered_ = count > 0 ? *job->bucket : Bucket{};
+  offered_op_ = count > 0 ? job->op : ReduceOp::kSum;
+}
+
+void HierarchicalCollectives::eager_allreduce(const AllreduceJob& job) {
+  const Bucket& b = *job.bucket;
+  std::vector<const void*> srcs;
+  for (size_t h = 0; h < partials_.size(); ++h) srcs.push_back(partials_[h].data() + partial_from_[h]);
+  if (srcs.empty()) throw std::logic_error("no host's partial for the one-exchange path");
+  thread_local std::vector<char> scratch;
+  const bool direct = b.tensors.size() == 1 && b.wire_dtype == b.dtype;
+  if (!direct) scratch.resize(b.nbytes());
+  void* dst = direct ? job.outs[0] : scratch.data();
+  // Added, then scaled, as the chunked path does (allreduce_impl's `across`): the same bits either way.
+  reduce_block(job.op, b.wire_dtype, srcs.data(), static_cast<int>(srcs.size()), dst, b.numel, 1.0);
+  if (job.postscale != 1.0) {
+    const void* src = dst;
+    reduce_block(job.op, b.wire_dtype, &src, 1, dst, b.numel, job.postscale);
+  }
+  if (!direct) unpack(b, scratch.data(), job.outs, 1.0, 1);
+  local_->count_eager(b.nbytes());
 }
 
 void HierarchicalCollectives::allreduce(const AllreduceJob& job) {

@@ -65,6 +65,12 @@ class HierarchicalCollectives : public Collectives {
   int rank() const override { return inter_->rank(); }
   int size() const override { return inter_->size(); }
   std::vector<std::vector<Record>> exchange_records(const std::vector<Record>& mine) override;
+  // The one-exchange path: the host's offer goes into the shared-memory round; its partial result
+  // crosses hosts with the agreement's allgather (exchange()).
+  size_t eager_capacity() const override { return local_->eager_capacity(); }
+  void eager_offer(const AllreduceJob* job, uint32_t count) override;
+  uint32_t eager_agreed() const override { return eager_; }
+  void eager_allreduce(const AllreduceJob& job) override;
   void allreduce(const AllreduceJob& job) override;
   void broadcast(const void* in, void* out, size_t nbytes, int root) override;
   void allgather(const void* in, void* out, const std::vector<size_t>& bytes) override;
@@ -94,6 +100,8 @@ class HierarchicalCollectives : public Collectives {
 
  private:
   std::vector<std::vector<Record>> exchange(const std::vector<Record>& mine);
+  // Packed elements of the first `count` tensors of bucket `b` (padding between them included).
+  static size_t eager_numel(const Bucket& b, size_t count);
   void allreduce_impl(const AllreduceJob& job);
   void start_heartbeat(double timeout_s);
   void host_lost(const std::string& why);
@@ -105,6 +113,11 @@ class HierarchicalCollectives : public Collectives {
   void guarded(F&& body);
 
   std::unique_ptr<ShmCollectives> local_;
+  Bucket offered_{};                        // this round's offer (numel 0: none)
+  ReduceOp offered_op_ = ReduceOp::kSum;
+  uint32_t eager_ = 0;                      // requests every host's partial covers (this round)
+  std::vector<std::vector<char>> partials_; // the messages that carried a partial, in rank order
+  std::vector<size_t> partial_from_;        // where in each the partial starts
   std::shared_ptr<InterHost> inter_;
   size_t net_chunk_bytes_;
   std::string host_id_;                // emulated hosts: this host's id (empty: a real host)

@@ -18,6 +18,18 @@ class ShmCollectives : public Collectives {
   std::vector<std::vector<Record>> exchange_records(const std::vector<Record>& mine) override {
     return shm_exchange_records(ctx_, mine);
   }
+  size_t eager_capacity() const override { return kEagerSlotBytes; }
+  void eager_offer(const AllreduceJob* job, uint32_t count) override { shm_eager_offer(ctx_, job, count); }
+  uint32_t eager_agreed() const override { return shm_eager_agreed(ctx_); }
+  void eager_allreduce(const AllreduceJob& job) override { shm_eager_allreduce(ctx_, job); }
+  // The hierarchical path's share: this host's partial of the agreed offer, and the count.
+  void eager_partial(const Bucket& b, size_t numel, ReduceOp op, void* partial) {
+    shm_eager_partial(ctx_, b, numel, op, partial);
+  }
+  void count_eager(size_t bytes) {
+    ++ctx_.stats.eager;
+    ctx_.stats.bytes += bytes;
+  }
   void allreduce(const AllreduceJob& job) override { shm_allreduce(ctx_, job, nullptr); }
   // The hierarchical allreduce's local legs (see ShardHook).
   void allreduce_with_hook(const AllreduceJob& job, const ShardHook& between) { shm_allreduce(ctx_, job, between); }

@@ -51,6 +51,16 @@ inline void end_chunk(ShmContext& c, const WindowChunk& ch) {
 // Agree on the next requests: every rank's record list, indexed by rank (shm_negotiate.cc).
 std::vector<std::vector<Record>> shm_exchange_records(ShmContext& c, const std::vector<Record>& mine);
 
+// The one-exchange path for small allreduces (shm_eager.cc): before the round's exchange, pack the
+// offered bucket into this rank's data slot of the round's record buffer and say how many requests
+// it covers; after it, the minimum every rank covered, and a prefix of that bucket reduced from
+// every rank's slot in rank order (postscale applied, outputs written), or (`partial`) into
+// `partial` unscaled, in the wire dtype, for a cross-host stage.
+void shm_eager_offer(ShmContext& c, const AllreduceJob* job, uint32_t count);
+uint32_t shm_eager_agreed(const ShmContext& c);
+void shm_eager_allreduce(ShmContext& c, const AllreduceJob& job);
+void shm_eager_partial(ShmContext& c, const Bucket& b, size_t numel, ReduceOp op, void* partial);
+
 // For the hierarchical allreduce: after the shard a rank owns is reduced within the host (and
 // before anyone copies it), `between(shard, n, wire)` runs on it; postscale is then its job.
 using ShardHook = std::function<void(char* shard, size_t n, DType wire)>;

@@ -53,20 +53,99 @@ void Engine::check_shape(Request& req) const {
                                 " rows, but the tensor's first dimension is " + std::to_string(rows));
 }
 
+namespace {
+
+// Whether allreduce `a` may share a bucket with allreduce `r` (the same reduction of the same dtype).
+bool fusable(const Request* a, const Request* r) {
+  return a->kind == CollectiveKind::kAllreduce && a->dtype == r->dtype && a->op == r->op &&
+         a->compression == r->compression && a->prescale == r->prescale && a->postscale == r->postscale &&
+         a->rec.bucket_cap == r->rec.bucket_cap && a->group == r->group;
+}
+
+}  // namespace
+
+// Decided from the requests alone, so ranks that queued the same requests offer the same prefix
+// (and ranks that queued more offer at least as much of the common part): the first requests that
+// would fuse into one bucket, while that bucket's packed bytes stay within the limit and the cap.
+size_t Engine::eager_prefix(const std::vector<Request*>& offered) const {
+  const size_t limit = std::min(cfg_.eager_bytes, comm_->eager_capacity());
+  if (limit == 0 || offered.empty()) return 0;
+  const Request* r = offered[0];
+  if (r->kind != CollectiveKind::kAllreduce || r->op == ReduceOp::kAdasum || r->stand_in) return 0;
+  const size_t cap = std::min(limit, r->rec.bucket_cap > 0 ? static_cast<size_t>(r->rec.bucket_cap)
+                                                            : cfg_.bucket_cap_bytes);
+  const size_t es = dtype_size(wire_dtype(r->dtype, r->compression));
+  const size_t align = kBucketAlignBytes / es;
+  size_t numel = 0, n = 0;
+  for (const Request* a : offered) {
+    if (!fusable(a, r)) break;
+    const size_t end = (numel + align - 1) / align * align + a->numel;  // BucketPlanner's layout
+    if (end * es > cap) break;
+    numel = end;
+    ++n;
+  }
+  return n;
+}
+
+AllreduceJob Engine::eager_job(const std::vector<Request*>& reqs, size_t n, Bucket& bucket) const {
+  // BucketPlanner's layout of one bucket (tensors back to back from 64-byte boundaries), built
+  // here without planning: this runs twice a round for a call that costs microseconds.
+  const Request* r = reqs[0];
+  bucket.dtype = r->dtype;
+  bucket.compression = r->dtype == DType::kFloat32 ? r->compression : Compression::kNone;
+  bucket.wire_dtype = wire_dtype(r->dtype, r->compression);
+  const size_t align = kBucketAlignBytes / dtype_size(bucket.wire_dtype);
+  bucket.numel = 0;
+  bucket.tensors.reserve(n);
+  bucket.offsets.reserve(n);
+  bucket.numels.reserve(n);
+  for (size_t k = 0; k < n; ++k) {
+    const size_t offset = (bucket.numel + align - 1) / align * align;
+    bucket.tensors.push_back(static_cast<int>(k));
+    bucket.offsets.push_back(offset);
+    bucket.numels.push_back(reqs[k]->numel);
+    bucket.numel = offset + reqs[k]->numel;
+  }
+  AllreduceJob job{&bucket, {}, {}, r->op, r->prescale, r->postscale};
+  for (size_t k = 0; k < n; ++k) {
+    job.srcs.push_back(reqs[k]->in);
+    job.outs.push_back(reqs[k]->out);
+  }
+  return job;
+}
+
+void Engine::run_eager(const std::vector<Request*>& batch, size_t n, Bucket& b, AllreduceJob& job) {
+  // A prefix of the offered bucket is laid out as that bucket's first n tensors: cut it there.
+  if (n > b.tensors.size()) throw std::logic_error("the one-exchange path ran more requests than it offered");
+  b.tensors.resize(n);
+  b.offsets.resize(n);
+  b.numels.resize(n);
+  b.numel = b.offsets[n - 1] + b.numels[n - 1];
+  job.srcs.resize(n);
+  job.outs.resize(n);
+  const double t0 = timeline_.enabled() ? timeline_.now() : 0;
+  comm_->eager_allreduce(job);
+  if (timeline_.enabled()) {
+    const double t1 = timeline_.now();
+    const std::string label = "bucket " + std::to_string(buckets_++);
+    timeline_.span(Timeline::kEngineLane, "engine", label, t0, t1,
+                   "\"tensors\": " + std::to_string(n) + ", \"bytes\": " + std::to_string(b.nbytes()) +
+                       ", \"wire\": \"" + dtype_name(b.wire_dtype) + "\", \"path\": \"with the records\"");
+    for (size_t k = 0; k < n; ++k) trace(*batch[k], t0, t1, label);
+  }
+  for (size_t k = 0; k < n; ++k) finish(batch[k]);
+}
+
 // A request must not be touched after finish(r): its waiter may release it at once.
-void Engine::run_batch(const std::vector<Request*>& batch, const std::vector<std::vector<Record>>& all) {
-  for (size_t i = 0; i < batch.size();) {
+void Engine::run_batch(const std::vector<Request*>& batch, const std::vector<std::vector<Record>>& all,
+                       size_t start) {
+  for (size_t i = start; i < batch.size();) {
     Request* r = batch[i];
     switch (r->kind) {
       case CollectiveKind::kAllreduce: {
         // Fuse the run of consecutive allreduces that can share a bucket.
         size_t e = i + 1;
-        auto same = [&](const Request* a) {
-          return a->kind == CollectiveKind::kAllreduce && a->dtype == r->dtype && a->op == r->op &&
-                 a->compression == r->compression && a->prescale == r->prescale && a->postscale == r->postscale &&
-                 a->rec.bucket_cap == r->rec.bucket_cap && a->group == r->group;
-        };
-        while (e < batch.size() && same(batch[e])) ++e;
+        while (e < batch.size() && fusable(batch[e], r)) ++e;
         // `r` is finished with the first bucket (and may be released): keep what the run needs.
         const ReduceOp op = r->op;
         const double prescale = r->prescale, postscale = r->postscale;

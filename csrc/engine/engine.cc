@@ -28,13 +28,15 @@
 #include <string>
 
 #include "collectives/hierarchical.h"
+#include "common/process.h"
 #include "collectives/shm_collectives.h"
 #include "common/errors.h"
 
 namespace fastxfer {
 
 Engine::Engine(std::unique_ptr<Collectives> comm, const EngineConfig& cfg)
-    : comm_(std::move(comm)), cfg_(cfg), timeline_(cfg.timeline_path, cfg.timeline_rank, cfg.clock_offset_us, cfg.timeline_mark_cycles), owner_pid_(getpid()) {
+    : comm_(std::move(comm)), cfg_(cfg), timeline_(cfg.timeline_path, cfg.timeline_rank, cfg.clock_offset_us, cfg.timeline_mark_cycles), owner_pid_(getpid()),
+      owner_fork_generation_(fork_generation()) {
   thread_ = std::thread([this] { loop(); });
   pthread_setname_np(thread_.native_handle(), "fastxfer-engine");  // visible in top -H, gdb, /proc
   if (!cfg_.cpus.empty()) {
@@ -56,7 +58,7 @@ Engine::Engine(std::unique_ptr<Collectives> comm, const EngineConfig& cfg)
 }
 
 void Engine::check_process() const {
-  if (getpid() != owner_pid_)
+  if (fork_generation() != owner_fork_generation_)
     throw EngineError("fastxfer was initialised in process " + std::to_string(owner_pid_) +
                       ", and this process is a fork of it: a forked child cannot take part in the parent's "
                       "collectives. Run them in the parent, or start the child with the 'spawn' start method "
@@ -244,7 +246,7 @@ void Engine::finish(Request* r) {
     return;
   }
   std::lock_guard<std::mutex> lk(mu_);
-  finished_.push_back(r->id);
+  if (r->tracked) finished_.push_back(r->id);
   auto it = status_.find(r->id);
   if (it != status_.end() && it->second.detached) {  // nobody will wait: forget it now
     status_.erase(it);
@@ -330,6 +332,7 @@ void Engine::fail_all(ErrorKind kind, const std::string& msg) {
 bool Engine::run_round() {
   const bool tl = timeline_.enabled();
   std::vector<Record> recs;
+  std::vector<Request*> offered;
   {
     std::lock_guard<std::mutex> lk(mu_);
     // A round that starts while an explicit fusion group is half submitted leaves its held part
@@ -338,11 +341,28 @@ bool Engine::run_round() {
     // early: they only save rounds.
     const size_t held_group = held_grouped_ ? std::min(held_, queue_.size()) : 0;
     size_t m = std::min(queue_.size() - held_group, static_cast<size_t>(cfg_.max_records));
-    for (size_t i = 0; i < m; ++i) recs.push_back(queue_[i]->rec);
+    recs.reserve(m);
+    offered.reserve(m);
+    for (size_t i = 0; i < m; ++i) {
+      recs.push_back(queue_[i]->rec);
+      offered.push_back(queue_[i].get());
+    }
   }
   if (recs.empty()) return false;
   const double t_round = tl ? timeline_.now() : 0;
   if (tl) timeline_.cycle();
+  // Small allreduces at the head of the round send their data with the records (every rank offers,
+  // if only none): the requests stay queued, this thread alone takes them off the queue.
+  // The offered bucket is kept for run_eager: the batch starts with the same requests.
+  const size_t offer = eager_prefix(offered);
+  Bucket eager_bucket;
+  AllreduceJob eager_run{};
+  if (offer > 0) {
+    eager_run = eager_job(offered, offer, eager_bucket);
+    comm_->eager_offer(&eager_run, static_cast<uint32_t>(offer));
+  } else if (comm_->eager_capacity() > 0) {
+    comm_->eager_offer(nullptr, 0);
+  }
   auto all = comm_->exchange_records(recs);
   ++rounds_run_;
   const int n = static_cast<int>(all.size());
@@ -472,7 +492,11 @@ bool Engine::run_round() {
   }
   // Read before running: once a request is finished, the waiting thread may release it.
   const bool last = batch.back()->kind == CollectiveKind::kShutdown;
-  run_batch(batch, all);
+  // The agreed prefix every rank offered (a joined rank offers none, so stand-ins never go here).
+  size_t eager = 0;
+  if (comm_->eager_capacity() > 0 && !me_joined) eager = std::min<size_t>(agreed, comm_->eager_agreed());
+  if (eager > 0) run_eager(batch, eager, eager_bucket, eager_run);
+  run_batch(batch, all, eager);
   executed_ += agreed;
   fail_bad();
   return last;

@@ -34,6 +34,8 @@ struct EngineConfig {
   bool timeline_mark_cycles = false;
   std::vector<int> rank_names;  // the job rank of each of the engine's ranks, for messages (empty: the
                                 // same numbers; a process set's differ)
+  size_t eager_bytes = 32u << 10;  // allreduce buckets up to this many packed bytes travel with the records
+                                   // (FASTXFER_EAGER_KB; 0: never; capped by Collectives::eager_capacity)
   bool yield_on_wake = true;    // a submit that wakes the sleeping engine thread yields the core to it
                                 // (FASTXFER_YIELD; docs/architecture.md, "Waking the engine thread")
 };
@@ -66,6 +68,8 @@ struct Request {
   std::vector<int64_t> splits;       // alltoall: rows sent to each rank (empty: an equal split)
   std::vector<int64_t> recv_splits;  // alltoall: rows received from each rank (after it ran)
   DoneCallback on_done;  // set: nobody calls wait()/release() for this request
+  bool tracked = true;    // reported by take_finished() (false: the caller holds its buffers and
+                          // waits at once, the binding's run(): nothing to drop once it finished)
   bool stand_in = false;  // made up by a joined rank to match its peers' allreduce (see join)
   std::vector<char> stand_in_buf;  // its input (the op's neutral element) and output
   int joined_last = -1;   // join: the rank that joined last
@@ -166,7 +170,15 @@ class Engine {
   void check_process() const;
   // dispatch.cc: the per-kind rules checked at submit, running an agreed batch, its timeline spans.
   void check_shape(Request& req) const;
-  void run_batch(const std::vector<Request*>& batch, const std::vector<std::vector<Record>>& all);
+  // Runs batch[start..]: the requests before `start` ran already (the one-exchange path).
+  void run_batch(const std::vector<Request*>& batch, const std::vector<std::vector<Record>>& all, size_t start = 0);
+  // The one-exchange path: how many of `offered` (this round's requests, in order) form one small
+  // allreduce bucket that can travel with the records, and that bucket's job (dispatch.cc).
+  size_t eager_prefix(const std::vector<Request*>& offered) const;
+  AllreduceJob eager_job(const std::vector<Request*>& reqs, size_t n, Bucket& bucket) const;
+  // Runs the first n requests of `batch` from the data that came with the records and finishes them;
+  // `b` and `job` are the offered bucket's (its requests are the batch's first ones), cut to those n.
+  void run_eager(const std::vector<Request*>& batch, size_t n, Bucket& b, AllreduceJob& job);
   // Timeline spans of one request that ran from t0 to t1 (before finish(r)).
   void trace(const Request& r, double t0, double t1, const std::string& bucket);
   // join.cc: a joined rank's stand-ins for the allreduces its peers still run.
@@ -197,6 +209,7 @@ class Engine {
   std::string fatal_msg_;
   std::mutex oob_mu_;
   int owner_pid_;  // the process that started the engine (a fork's copy must not use it)
+  uint64_t owner_fork_generation_;  // fork_generation() there (common/process.h)
   std::thread thread_;
 };
 

@@ -21,6 +21,8 @@ class InterHost {
   // In place, among the ranks with this rank's local rank on every host (one per host).
   // bf16/fp16 buffers hold wire values; sums round at each step (as NCCL's 16-bit allreduce does).
   virtual void allreduce_shard(void* buf, size_t n, DType dtype, ReduceOp op) = 0;
+  // Among the same ranks (one per host), in host order: every one's bytes (the agreement round).
+  virtual std::vector<std::vector<char>> allgather_bytes_across(const std::vector<char>& mine) = 0;
   // Over all ranks:
   virtual std::vector<std::vector<char>> allgather_bytes(const std::vector<char>& mine) = 0;
   virtual void broadcast(void* buf, size_t nbytes, int root) = 0;

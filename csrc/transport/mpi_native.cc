@@ -389,6 +389,10 @@ void NativeMPIInterHost::allreduce_shard(void* buf, size_t n, DType dtype, Reduc
   reduce_across(cfg_.cross, cfg_.cross_rank, cfg_.cross_size, buf, n, dtype, op, "allreduce across hosts");
 }
 
+std::vector<std::vector<char>> NativeMPIInterHost::allgather_bytes_across(const std::vector<char>& mine) {
+  return gather_any(cfg_.cross, cfg_.cross_rank, cfg_.cross_size, mine, kBytes, "agreement round across hosts");
+}
+
 std::vector<std::vector<char>> NativeMPIInterHost::allgather_bytes(const std::vector<char>& mine) {
   return gather_any(cfg_.world, cfg_.rank, cfg_.size, mine, kBytes, "agreement round across hosts");
 }

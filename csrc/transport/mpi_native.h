@@ -52,6 +52,7 @@ class NativeMPIInterHost : public InterHost {
   int rank() const override { return cfg_.rank; }
   int size() const override { return cfg_.size; }
   void allreduce_shard(void* buf, size_t n, DType dtype, ReduceOp op) override;
+  std::vector<std::vector<char>> allgather_bytes_across(const std::vector<char>& mine) override;
   std::vector<std::vector<char>> allgather_bytes(const std::vector<char>& mine) override;
   void broadcast(void* buf, size_t nbytes, int root) override;
   void allgatherv(const void* in, void* out, const std::vector<size_t>& bytes) override;

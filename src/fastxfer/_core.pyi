@@ -164,6 +164,7 @@ class CommStats:
     chunks: int
     rounds: int
     wire_bytes: int
+    eager_buckets: int
 
 class Engine:
     """The background collective engine over shared memory (one per process)."""
@@ -175,7 +176,7 @@ class Engine:
                  report_dir: str = "", segment_ranks: Sequence[int] = (), job_ranks: Sequence[int] = (),
                  net_chunk_bytes: int = 1 << 20, host_timeout_s: float = 0.0, yield_on_wake: bool = True,
                  host_id: str = "", clock_offset_us: float = 0.0, timeline_mark_cycles: bool = False,
-                 member_pids: Sequence[int] = (), precreated: bool = False) -> None:
+                 member_pids: Sequence[int] = (), precreated: bool = False, eager_bytes: int = 32 << 10) -> None:
         """Create or attach this host's segment ``name`` and start the engine thread; waits for the other local
         ranks. ``inter_host``: an object with the InterHost methods (fastxfer.comm.mpi.MPIInterHost) for jobs
         that span several hosts. ``stall_warning_s``: a wait this long warns once, naming the rank that stalls;
@@ -186,7 +187,8 @@ class Engine:
         id when hosts are emulated on one machine (FASTXFER_HOST_ID); ``clock_offset_us``: this rank's
         steady clock to rank 0's, for the timeline; ``timeline_mark_cycles``: an event at every negotiation
         round; ``member_pids``: each rank's pid when the launcher told it (a rank that dies before it attaches
-        fails the others at once); ``precreated``: rank 0 opens the segment precreate_segment made. Every value
+        fails the others at once); ``precreated``: rank 0 opens the segment precreate_segment made; ``eager_bytes``: allreduce buckets up to
+        this size travel with the negotiation's records (FASTXFER_EAGER_KB). Every value
         comes from fastxfer.settings: the core reads no environment variable."""
     @property
     def rank(self) -> int:
@@ -215,6 +217,11 @@ class Engine:
         ``defer``: do not wake the engine thread; the caller waits at once and runs the round itself.
         ``splits``: alltoall's rows per destination rank (empty: an equal split); ValueError when
         they do not fit the tensor."""
+    def run(self, kind: str, name: str, input: np.ndarray | None, output: np.ndarray | None, op: str = "sum",
+            compression: str = "none", root: int = 0, prescale: float = 1.0, postscale: float = 1.0,
+            bucket_cap: int = 0) -> None:
+        """A synchronous collective into ``output``: submit, wait (without the GIL) and release in one call;
+        raises the request's error."""
     def wait(self, id: int) -> None:
         """Block (without the GIL) until the request finishes; raises its error."""
     def done(self, id: int) -> bool:

@@ -121,11 +121,14 @@ def out_like(out, a: np.ndarray, what: str = "out") -> np.ndarray:
         raise TypeError(f"{what} must be a numpy.ndarray, not {type(out).__name__}")
     if out.dtype != a.dtype or out.shape != a.shape:
         raise ValueError(f"{what} must be {a.dtype.name}{list(a.shape)}, not {out.dtype.name}{list(out.shape)}")
-    if not out.flags.c_contiguous or not out.flags.writeable:
+    flags = out.flags  # a new object at every read of .flags
+    if not flags.c_contiguous or not flags.writeable:
         raise ValueError(f"{what} must be C-contiguous and writable")
     # the engine reads the input and writes the output chunk by chunk, in different orders: the
     # same buffer (in place) is fine, a buffer that overlaps it elsewhere would read results
-    if out.ctypes.data != a.ctypes.data and a.size and np.shares_memory(out, a):
+    # (both C-contiguous: sharing memory is overlapping address ranges, what may_share_memory's
+    # bounds check sees; .ctypes is slow, so it is only read when the ranges do overlap)
+    if a.size and out is not a and np.may_share_memory(out, a) and out.ctypes.data != a.ctypes.data:
         raise ValueError(f"{what} overlaps the input array without being it: pass {what}=the input itself to reduce "
                          f"in place, or a separate array")
     return out

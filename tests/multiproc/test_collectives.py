@@ -8,8 +8,8 @@ W = "collectives_worker.py"
 # the modes that share one job per rank count (the worker runs them one after the other); the
 # engine-thread, join and bits16 checks keep jobs of their own
 SHARED = {1: ["sweep", "adasum"], 2: ["sweep", "compressed", "collectives", "dtypes15", "alltoall", "reducescatter",
-                                   "adasum"],
-          3: ["info", "sweep", "compressed", "dtypes15", "alltoall", "reducescatter", "adasum"],
+                                   "adasum", "eager"],
+          3: ["info", "sweep", "compressed", "dtypes15", "alltoall", "reducescatter", "adasum", "eager"],
           4: ["sweep", "collectives", "adasum"]}
 
 
@@ -69,6 +69,14 @@ def test_synchronous_calls_leave_the_engine_thread_asleep():
     and its engine thread wakes only for its 50 ms idle check (it used to be woken once per call,
     a context switch on the caller's core each time)."""
     assert_ok(launch(2, W, "quiet_engine"), 2, "quiet_engine")
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_small_allreduces_travel_with_the_records_and_give_the_same_bits(shared_job, np_):
+    """Buckets up to FASTXFER_EAGER_KB take the one-exchange path and larger ones the chunks; exact
+    results and the chunk path's rounding on both sides of the limit; ranks whose queues differ
+    at a round's start run the same buckets; a disagreement inside an offered run fails alone."""
+    assert_ok(shared_job(np_, "eager"), np_, "eager")
 
 
 @pytest.mark.parametrize("np_", [2, 3])

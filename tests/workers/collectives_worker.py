@@ -628,6 +628,83 @@ def adasum():
     print(f"OK adasum rank {r}: {checked} checks", flush=True)
 
 
+def eager():
+    """The one-exchange path for small allreduces (docs/algorithms.md, "Small allreduces"): which
+    buckets take it, exact results on both sides of its limit, ranks whose queues differ when a
+    round starts, and a disagreement inside an offered run. Every rank must run the same buckets
+    the same way: the counts of buckets per path are compared across ranks."""
+    r, n = fx.rank(), fx.size()
+    limit = 32 << 10  # FASTXFER_EAGER_KB's default, in packed bytes
+
+    def delta(before):
+        after = fx.engine_stats()
+        return after["eager_buckets"] - before["eager_buckets"], after["chunks"] - before["chunks"]
+
+    def rank_order_sum(xs):
+        acc = xs[0].copy()
+        for x in xs[1:]:
+            acc = acc + x
+        return acc
+
+    # 1. which path: at the limit with the records, one element over it through the chunks
+    for numel, path in ((1, "eager"), (limit // 4, "eager"), (limit // 4 + 1, "chunks"), (limit // 8, "eager")):
+        xs = [inputs(j, numel, np.float32, seed=numel) for j in range(n)]
+        before = fx.engine_stats()
+        got = fx.allreduce(xs[r], op="sum")
+        assert np.array_equal(got, rank_order_sum(xs)), (numel, got[:4])
+        eager_n, chunks = delta(before)
+        assert (eager_n, chunks == 0) == ((1, True) if path == "eager" else (0, False)), (numel, eager_n, chunks)
+    # bf16 on the wire packs 2 bytes an element: twice the float32 elements fit
+    before = fx.engine_stats()
+    fx.allreduce(inputs(r, limit // 2, np.float32), op="sum", compression="bf16")
+    assert delta(before) == (1, 0), delta(before)
+
+    # 2. random float32 averages (not small integers: rounding shows) give the chunk path's contract
+    #    on both sides of the limit: summed in float32 in rank order, then times float32(1/size)
+    rng = np.random.default_rng(11)
+    for numel in (3, 4097, limit // 4, limit // 4 + 1, 50_000):
+        xs = [rng.standard_normal(numel).astype(np.float32) for _ in range(n)]
+        got = fx.allreduce(xs[r], op="average")
+        want = rank_order_sum(xs) * np.float32(1 / n)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), f"average n={numel}"
+        got = fx.allreduce(xs[r], op="max", prescale=2.0, postscale=0.5)
+        want = np.max(np.stack(xs) * np.float32(2.0), 0) * np.float32(0.5)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), f"max n={numel}"
+
+    # 3. queues that differ when a round starts: rank 0 submits the whole run at once, the others one
+    #    by one, so rank 0 offers more than its peers have queued; mixed dtypes and ops in the run
+    plan = [(np.float32, "sum", 10), (np.float32, "sum", 700), (np.float64, "sum", 33), (np.float32, "max", 5),
+            (np.int32, "sum", 2000), (np.float32, "sum", 9000), (np.float32, "sum", 17), (np.float32, "sum", 1)]
+    before = fx.engine_stats()
+    for rep in range(3):
+        xs = [[inputs(j, k, dt, seed=100 * rep + i) for j in range(n)] for i, (dt, _, k) in enumerate(plan)]
+        handles = []
+        for i, (dt, op, k) in enumerate(plan):
+            if r > 0:
+                time.sleep(0.003)
+            handles.append(fx.allreduce_async(xs[i][r], op=op))
+        for i, (h, (dt, op, k)) in enumerate(zip(handles, plan)):
+            got = h.wait()
+            want = np.max(np.stack(xs[i]), 0) if op == "max" else rank_order_sum(xs[i])
+            assert got.dtype == dt and np.array_equal(got, want), (rep, i)
+    counts = fx.allgather(np.array([delta(before)], np.int64))
+    assert (counts == counts[0]).all(), f"ranks ran different buckets: {counts.tolist()}"
+    assert counts[0, 0] > 0, counts.tolist()
+
+    # 4. a disagreement inside an offered run: the requests before it run, it fails on every rank,
+    #    the next allreduce works
+    a = fx.allreduce_async(np.full(6, r + 1.0, np.float32), op="sum", name="eager.ok")
+    b = fx.allreduce_async(np.ones(6 + (r == n - 1), np.float32), op="sum", name="eager.bad")
+    assert a.wait().tolist() == [n * (n + 1) / 2] * 6
+    try:
+        b.wait()
+        raise AssertionError("a shape that differs on one rank went through")
+    except fx.MismatchError as e:
+        assert "eager.bad" in str(e) or "shape" in str(e), e
+    assert fx.allreduce(np.full(3, 2.0, np.float32), op="sum").tolist() == [2.0 * n] * 3
+    print(f"OK eager on rank {r}")
+
+
 def info():
     from fastxfer.comm import group
 
@@ -679,6 +756,8 @@ if __name__ == "__main__":
             reducescatter()
         elif mode == "adasum":
             adasum()
+        elif mode == "eager":
+            eager()
         else:
             raise SystemExit(f"unknown mode {mode}")
     fx.shutdown()

@@ -106,6 +106,13 @@ uint32_t* ShmSegment::record_count(int j, int buf) const {
   char* p = static_cast<char*>(base_) + header_bytes_ + j * stride_ + rec_off_;
   return reinterpret_cast<uint32_t*>(p) + buf;
 }
+char* ShmSegment::eager_slot(int j, int buf) const {
+  return static_cast<char*>(base_) + header_bytes_ + j * stride_ + eager_off_ + static_cast<size_t>(buf) * kEagerSlotBytes;
+}
+uint32_t* ShmSegment::eager_count(int j, int buf) const {
+  char* p = static_cast<char*>(base_) + header_bytes_ + j * stride_ + rec_off_;
+  return reinterpret_cast<uint32_t*>(p) + 2 + buf;  // after the two record counts, in the same 64 bytes
+}
 char* ShmSegment::oob_slot(int j) const { return static_cast<char*>(base_) + header_bytes_ + j * stride_ + oob_off_; }
 char* ShmSegment::window(int j, int half) const {
   return static_cast<char*>(base_) + header_bytes_ + j * stride_ + win_off_ + half * (cfg_.window_bytes / 2);
@@ -129,7 +136,8 @@ ShmSegment::Layout ShmSegment::layout_of(ShmConfig& cfg) {
   Layout l;
   l.header_bytes = round_up(sizeof(Header), kPage);
   l.rec_off = round_up(sizeof(Control), kPage);
-  l.oob_off = l.rec_off + round_up(64 + 2 * static_cast<size_t>(cfg.max_records) * sizeof(Record), kPage);
+  l.eager_off = l.rec_off + round_up(64 + 2 * static_cast<size_t>(cfg.max_records) * sizeof(Record), kPage);
+  l.oob_off = l.eager_off + 2 * kEagerSlotBytes;
   l.win_off = l.oob_off + cfg.oob_bytes;
   l.stride = l.win_off + cfg.window_bytes;
   l.total = l.header_bytes + l.stride * static_cast<size_t>(std::max(cfg.size, 0));
@@ -143,6 +151,7 @@ void ShmSegment::layout() {
   header_bytes_ = l.header_bytes;
   ctl_off_ = 0;
   rec_off_ = l.rec_off;
+  eager_off_ = l.eager_off;
   oob_off_ = l.oob_off;
   win_off_ = l.win_off;
   stride_ = l.stride;

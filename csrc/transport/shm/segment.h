@@ -40,6 +40,10 @@ struct ShmConfig {
 
 // The counters each rank publishes, one per protocol phase. What a phase means is the business of
 // the collective that uses it; the segment only stores, publishes and waits.
+// Bytes of packed data a rank can send with its records in one negotiation round (per record
+// buffer): the largest bucket the one-exchange path takes (docs/algorithms.md, "Small allreduces").
+constexpr size_t kEagerSlotBytes = 64u << 10;
+
 enum class Phase : int { kReady = 0, kReduced, kConsumed, kRound, kOobReady, kOobConsumed };
 constexpr int kPhases = 6;
 static_assert(static_cast<int>(Phase::kOobConsumed) + 1 == kPhases, "one counter per phase");
@@ -77,6 +81,10 @@ class ShmSegment {
   char* oob_slot(int j) const;               // rank j's out-of-band slot (oob_bytes)
   Record* records(int j, int buf) const;     // rank j's record buffer `buf` (0 or 1), max_records long
   uint32_t* record_count(int j, int buf) const;
+  // Rank j's small-allreduce data sent with record buffer `buf` (kEagerSlotBytes), and how many of
+  // that buffer's leading records it covers (collectives/shm_eager.cc).
+  char* eager_slot(int j, int buf) const;
+  uint32_t* eager_count(int j, int buf) const;
 
   // Stores my counter for `phase` and wakes whoever sleeps on it.
   void publish(Phase phase, uint32_t value);
@@ -112,7 +120,7 @@ class ShmSegment {
   struct Control;
 
   struct Layout {
-    size_t header_bytes = 0, rec_off = 0, oob_off = 0, win_off = 0, stride = 0, total = 0;
+    size_t header_bytes = 0, rec_off = 0, eager_off = 0, oob_off = 0, win_off = 0, stride = 0, total = 0;
   };
   static Layout layout_of(ShmConfig& cfg);      // normalises cfg's sizes, then the offsets
   void layout();                                // offsets and total_ from cfg_
@@ -135,7 +143,7 @@ class ShmSegment {
   int fd_ = -1;
   void* base_ = nullptr;
   size_t total_ = 0;
-  size_t stride_ = 0, ctl_off_ = 0, rec_off_ = 0, oob_off_ = 0, win_off_ = 0, header_bytes_ = 0;
+  size_t stride_ = 0, ctl_off_ = 0, rec_off_ = 0, eager_off_ = 0, oob_off_ = 0, win_off_ = 0, header_bytes_ = 0;
   std::atomic<bool> aborted_{false};
 };
 

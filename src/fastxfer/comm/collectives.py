@@ -48,9 +48,11 @@ def _fresh_like(a: np.ndarray) -> np.ndarray:
 def _auto_name(kind: str, ps=None) -> str:
     # numbered per process set: only a set's ranks call its collectives
     key = kind if ps is None else f"{kind}.set{ps.process_set_id}"
-    with _lock:
-        c = _counters.setdefault(key, itertools.count())
-        return f"{key}.{next(c)}"
+    c = _counters.get(key)
+    if c is None:
+        with _lock:
+            c = _counters.setdefault(key, itertools.count())
+    return f"{key}.{next(c)}"  # next() on a count is one step under the GIL: no lock needed
 
 
 def _sweep(eng) -> None:
@@ -144,12 +146,62 @@ def _allreduce(array, opts: options.CollectiveOptions, out, sync) -> Handle:
     return submit(opts, a, out, sync)
 
 
+# The checked plan of the common call (every rank, automatic name), by its arguments and the
+# array's dtype: building and checking the options cost more than a small allreduce itself
+# (docs/architecture.md, "Small allreduces"). Nothing in it depends on the job, so it outlives init().
+_allreduce_plans: dict = {}
+_PLANS_MAX = 256
+
+
+def _allreduce_plan(op, compression, prescale, postscale, bucket_cap_mb, process_set, name, dtype):
+    """``(options, wire)`` of an allreduce of ``dtype`` data: options.allreduce(...) checked against
+    the dtype (opts.check_dtype) and its wire format, remembered for calls without a name or a
+    process set."""
+    if process_set is not None or name is not None:
+        opts = options.allreduce(op, compression, prescale, postscale, bucket_cap_mb, process_set, name)
+        opts.check_dtype(dtype)
+        return opts, opts.wire_for(dtype)
+    # the types too: 1 == 1.0 == True as keys, but only some of them are valid arguments
+    key = (op, compression, type(prescale), prescale, type(postscale), postscale, type(bucket_cap_mb), bucket_cap_mb,
+           dtype)
+    try:
+        plan = _allreduce_plans.get(key)
+    except TypeError:  # an unhashable argument: checked (and refused) the long way
+        plan = None
+        key = None
+    if plan is None:
+        opts = options.allreduce(op, compression, prescale, postscale, bucket_cap_mb, process_set, name)
+        opts.check_dtype(dtype)
+        plan = (opts, opts.wire_for(dtype))
+        if key is not None and len(_allreduce_plans) < _PLANS_MAX:
+            _allreduce_plans[key] = plan
+    return plan
+
+
+def run(opts: options.CollectiveOptions, wire: str, arr: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """A synchronous collective of ``opts`` from ``arr`` (checked; ``wire`` its wire format) into
+    ``out``: one native call that submits, runs the round on this thread and waits without the GIL.
+    No handle and nothing kept alive: the caller holds both arrays until it returns, and the engine
+    does not report the request to take_finished(). Returns ``out``."""
+    eng = group.engine() if opts.process_set is None else process_sets.engine_of(opts.process_set)
+    name = opts.name if opts.name is not None else _auto_name(opts.kind, opts.process_set)
+    eng.run(opts.kind, name, arr, out, opts.op, wire, opts.root, opts.prescale, opts.postscale, opts.bucket_cap)
+    return out
+
+
 def allreduce(array, op: str = "average", compression: str = "none", name: str | None = None,
               prescale: float = 1.0, postscale: float = 1.0, out: np.ndarray | None = None,
               bucket_cap_mb: float | None = None, process_set=None) -> np.ndarray:
     """Reduce ``array`` across all ranks and return the result (see allreduce_async)."""
-    return _allreduce(array, options.allreduce(op, compression, prescale, postscale, bucket_cap_mb, process_set, name),
-                      out, True).wait()
+    a = check.array(array)
+    opts, wire = _allreduce_plan(op, compression, prescale, postscale, bucket_cap_mb, process_set, name, a.dtype)
+    out = _fresh_like(a) if out is None else check.out_like(out, a)
+    if opts.process_set is not None or opts.name is not None:
+        return run(opts, wire, a, out)
+    # run(), inline: the common call's Python is as long as its collective at a few KiB
+    group.engine().run("allreduce", _auto_name("allreduce"), a, out, opts.op, wire, 0, opts.prescale, opts.postscale,
+                       opts.bucket_cap)
+    return out
 
 
 def oob_allreduce(array, op: str = "average", name: str | None = None, process_set=None) -> np.ndarray:
@@ -176,7 +228,7 @@ def broadcast(array, root: int = 0, name: str | None = None, process_set=None) -
     In a process set, ``root`` is a rank of the job that belongs to the set."""
     opts = options.broadcast(root, process_set, name)
     a = check.array(array)
-    return submit(opts, a, _fresh_like(a), sync=True).wait()
+    return run(opts, "none", a, _fresh_like(a))
 
 
 def allgather(array, name: str | None = None, process_set=None) -> np.ndarray:

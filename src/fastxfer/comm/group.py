@@ -360,7 +360,8 @@ def init(comm=None, process_sets=None, *, timeout: float | None = None, engine_c
                         stall_warning=min(60.0, timeout / 2) if stall_warning is None else stall_warning,
                         report_dir=config.get("FASTXFER_REPORT_DIR") or "",
                         net_chunk=net_chunk_bytes(), host_timeout=host_timeout(),
-                        yield_on_wake=config.get("FASTXFER_YIELD"), host_id=config.get("FASTXFER_HOST_ID") or "")
+                        yield_on_wake=config.get("FASTXFER_YIELD"), host_id=config.get("FASTXFER_HOST_ID") or "",
+                        eager=int(config.get("FASTXFER_EAGER_KB") * 1024))
         here = layout.host_of_rank(layout.rank)
         on_host = [r for r in range(layout.size) if layout.host_of_rank(r) == here] if layout.host_of else []
         settings["clock_offset_us"] = layout.clock_offset_us
@@ -438,7 +439,7 @@ def make_engine(settings: dict, segment: str, local_rank: int, local_size: int, 
                         s["spin_us"], s["stall_warning"], s["report_dir"], list(segment_ranks), list(job_ranks),
                         s.get("net_chunk", 1 << 20), s.get("host_timeout", 0.0), s.get("yield_on_wake", True),
                         s.get("host_id", ""), s.get("clock_offset_us", 0.0), s.get("timeline_mark_cycles", False),
-                        list(member_pids), precreated)
+                        list(member_pids), precreated, s.get("eager", 32 << 10))
 
 
 def settings() -> dict:
@@ -606,12 +607,14 @@ def local_size() -> int:
 
 
 # what engine_stats() reports, in the native CommStats' names
-STATS_KEYS = ("pack_s", "wait_s", "reduce_s", "unpack_s", "negotiate_s", "chunks", "rounds", "wire_bytes")
+STATS_KEYS = ("pack_s", "wait_s", "reduce_s", "unpack_s", "negotiate_s", "chunks", "rounds", "wire_bytes",
+              "eager_buckets")
 
 
 def engine_stats() -> dict:
     """Cumulative seconds the engine spent packing, waiting for peers, reducing, unpacking and
-    negotiating, with chunk/round counts: where the communication time goes."""
+    negotiating, with chunk/round counts and the buckets that travelled with the records
+    (``eager_buckets``): where the communication time goes."""
     s = _current()[0].stats()
     return {k: getattr(s, k) for k in STATS_KEYS}
 

@@ -164,6 +164,9 @@ class MPIInterHost:
                 np.add(mine, pieces[j], out=mine)  # integers wrap modulo 2^bits
         comm.Allgatherv([np.ascontiguousarray(mine).view(np.uint8), MPI.BYTE], [x, (b, d), MPI.BYTE])
 
+    def allgather_bytes_across(self, b: bytes) -> list[bytes]:
+        return self.cross.allgather(bytes(b))
+
     def allgather_bytes(self, b: bytes) -> list[bytes]:
         return self.world.allgather(bytes(b))
 

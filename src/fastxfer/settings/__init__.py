@@ -224,6 +224,9 @@ _TABLE: tuple[Setting, ...] = (
             f"buckets whose outputs reach this many {_MB} are written with streaming stores", "-1", low=0, high=1e6),
     Setting("FASTXFER_SPIN_US", "float", 50.0, "microseconds a wait for a peer spins before it sleeps, 0: sleeps at once",
             "1e9", low=0, high=1e6),
+    Setting("FASTXFER_EAGER_KB", "float", 32.0,
+            "allreduce buckets up to this many KiB (packed, at most 64) travel with the negotiation's records: "
+            "one exchange between ranks instead of three; 0: never", "-1", low=0, high=64),
     Setting("FASTXFER_ENGINE_THREADS", "int", 1, "pack/unpack threads inside one chunk of a collective", "0",
             low=1, high=256),
     Setting("FASTXFER_ENGINE_CPUS", "text", None,
