@@ -56,13 +56,24 @@ def test_every_collective_exact_across_two_hosts(two_hosts):
     """Sizes x dtypes x ops, bf16/fp16 wire formats, broadcast, allgather with uneven first
     dimensions, the oob lane, alltoall, reducescatter: the same exact checks as on one host, with
     ranks 0-1 on h1 and 2-3 on h2; no segment is left on either host."""
-    modes = ["info", "sweep", "compressed", "collectives", "dtypes15", "alltoall", "reducescatter"]
+    modes = ["info", "sweep", "compressed", "collectives", "dtypes15", "alltoall", "reducescatter", "eager"]
     r = _run(two_hosts, 2, "collectives_worker.py", ",".join(modes))
     for g, l in ((0, 0), (1, 1), (2, 0), (3, 1)):
         assert f"INFO rank={g} size=4 local_rank={l} local_size=2" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     for mode in modes[1:]:
         assert_ok(r, 4, mode)
     assert two_hosts.shm_files("h1") == [] and two_hosts.shm_files("h2") == []
+
+
+def test_ranks_of_simulated_hosts_are_not_all_bound_to_one_core(two_hosts):
+    """Each simulated host's daemon would bind its first rank to core 0, the same core on every host,
+    so the two ranks that talk across the link would share one core (docs/multihost.md): the
+    simulated hosts leave placement to the kernel, and every rank may run on every core."""
+    cmd = two_hosts.fastxfer_run(1, [sys.executable, "-c", "import os; print('CPUS', len(os.sched_getaffinity(0)))"])
+    r = run_command(cmd, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    counts = re.findall(r"CPUS (\d+)", r.stdout)
+    assert counts == [str(len(os.sched_getaffinity(0)))] * 2, r.stdout
 
 
 def test_process_sets_and_join_across_two_hosts(two_hosts):

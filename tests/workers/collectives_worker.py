@@ -641,9 +641,18 @@ def eager():
         return after["eager_buckets"] - before["eager_buckets"], after["chunks"] - before["chunks"]
 
     def rank_order_sum(xs):
-        acc = xs[0].copy()
-        for x in xs[1:]:
-            acc = acc + x
+        """The sum as the engine forms it: each host's ranks in rank order, then the hosts' partials
+        in host order (one host: rank order)."""
+        k = fx.local_size()
+        parts = []
+        for h in range(0, len(xs), k):
+            acc = xs[h].copy()
+            for x in xs[h + 1:h + k]:
+                acc = acc + x
+            parts.append(acc)
+        acc = parts[0]
+        for p in parts[1:]:
+            acc = acc + p
         return acc
 
     # 1. which path: at the limit with the records, one element over it through the chunks
@@ -660,7 +669,7 @@ def eager():
     assert delta(before) == (1, 0), delta(before)
 
     # 2. random float32 averages (not small integers: rounding shows) give the chunk path's contract
-    #    on both sides of the limit: summed in float32 in rank order, then times float32(1/size)
+    #    on both sides of the limit: summed in float32 as above, then times float32(1/size)
     rng = np.random.default_rng(11)
     for numel in (3, 4097, limit // 4, limit // 4 + 1, 50_000):
         xs = [rng.standard_normal(numel).astype(np.float32) for _ in range(n)]

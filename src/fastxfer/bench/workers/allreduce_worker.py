@@ -35,8 +35,24 @@ def deepspeed_segments(port: int | str, ranks: int) -> list[str]:
 
 
 def iterations(nbytes: int, scale: float) -> int:
-    base = 60 if nbytes <= 1 << 16 else 25 if nbytes <= 1 << 22 else 15
+    # a median of microseconds needs hundreds of calls (they cost a millisecond or two in all)
+    base = 400 if nbytes <= 1 << 16 else 60 if nbytes <= 1 << 20 else 25 if nbytes <= 1 << 22 else 15
     return max(3, int(base * scale))
+
+
+WARMUP_CALLS = 1000  # every implementation's first timed call comes after this many
+
+
+def warm_up(barrier, op, rank: int) -> None:
+    """WARMUP_CALLS calls of ``op`` on a 4 KiB array, each after a barrier, on every rank (a fixed
+    count: a collective that each rank repeated by its own clock would not line up). The first
+    label of a job otherwise pays for the job's start (lazy imports, first page faults, peers
+    still settling) in its smallest sizes: 14 us against the next label's 7 at 4 KiB."""
+    x = pattern(rank, 1024)
+    out = np.empty_like(x)
+    for _ in range(WARMUP_CALLS):
+        barrier()
+        op(x, out)
 
 
 def pattern(rank: int, n: int, dtype=F32) -> np.ndarray:
@@ -117,6 +133,10 @@ def time_sweep(rank, size, sizes, scale, barrier, ops, dtypes=None, wire: bool =
     buffers evict another's). With `wire`, each row also gets ``wire_bytes``: what this host sent
     on its links per call (host_tx_bytes over a few more calls between two barriers)."""
     results = []
+    first = next((op for label, op in ops.items() if collective_of(label) == "allreduce"
+                  and np.dtype((dtypes or {}).get(label, F32)) == F32), None)
+    if first is not None:
+        warm_up(barrier, first, rank)
     for label, op in ops.items():
         dtype = np.dtype((dtypes or {}).get(label, F32))
         coll = collective_of(label)
