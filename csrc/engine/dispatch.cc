@@ -89,7 +89,7 @@ size_t Engine::eager_prefix(const std::vector<Request*>& offered) const {
 
 AllreduceJob Engine::eager_job(const std::vector<Request*>& reqs, size_t n, Bucket& bucket) const {
   // BucketPlanner's layout of one bucket (tensors back to back from 64-byte boundaries), built
-  // here without planning: this runs twice a round for a call that costs microseconds.
+  // here without planning: this runs in every round, for calls that cost microseconds.
   const Request* r = reqs[0];
   bucket.dtype = r->dtype;
   bucket.compression = r->dtype == DType::kFloat32 ? r->compression : Compression::kNone;
