@@ -78,7 +78,7 @@ void bind_engine(py::module_& m) {
                        std::vector<int> job_ranks, size_t net_chunk_bytes, double host_timeout_s,
                        bool yield_on_wake, const std::string& host_id, double clock_offset_us,
                        bool timeline_mark_cycles, std::vector<int> member_pids, bool precreated,
-                       size_t eager_bytes) {
+                       size_t eager_bytes, bool host_leader) {
              JobConfig job;
              job.shm.name = name;
              job.shm.rank = rank;
@@ -100,6 +100,7 @@ void bind_engine(py::module_& m) {
              job.net_chunk_bytes = net_chunk_bytes;
              job.host_timeout_s = host_timeout_s;
              job.host_id = host_id;
+             job.host_leader = host_leader;
              job.engine.yield_on_wake = yield_on_wake;
              job.engine.eager_bytes = eager_bytes;
              job.engine.bucket_cap_bytes = bucket_cap_bytes;
@@ -123,7 +124,8 @@ void bind_engine(py::module_& m) {
            py::arg("net_chunk_bytes") = static_cast<size_t>(1u << 20), py::arg("host_timeout_s") = 0.0,
            py::arg("yield_on_wake") = true, py::arg("host_id") = "", py::arg("clock_offset_us") = 0.0,
            py::arg("timeline_mark_cycles") = false, py::arg("member_pids") = std::vector<int>{},
-           py::arg("precreated") = false, py::arg("eager_bytes") = static_cast<size_t>(32u << 10))
+           py::arg("precreated") = false, py::arg("eager_bytes") = static_cast<size_t>(32u << 10),
+           py::arg("host_leader") = true)
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("size", &Engine::size)
       .def_property_readonly("oob_capacity", &Engine::oob_capacity)

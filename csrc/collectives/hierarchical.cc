@@ -137,8 +137,8 @@ bool NetLane::busy() const {
 
 HierarchicalCollectives::HierarchicalCollectives(std::unique_ptr<ShmCollectives> local, std::shared_ptr<InterHost> inter,
                                                  size_t net_chunk_bytes, double host_timeout_s,
-                                                 const std::string& host_id)
-    : local_(std::move(local)), inter_(std::move(inter)), net_chunk_bytes_(net_chunk_bytes), host_id_(host_id),
+                                                 const std::string& host_id, bool leader)
+    : local_(std::move(local)), leader_(leader), inter_(std::move(inter)), net_chunk_bytes_(net_chunk_bytes), host_id_(host_id),
       lane_(std::make_unique<NetLane>()) {
   // A network wait gives up when a rank of this host failed or died: it would otherwise last until
   // this rank's own heartbeats noticed the host that rank lost (the launcher may kill it first).
@@ -250,18 +250,17 @@ std::vector<std::vector<Record>> HierarchicalCollectives::exchange_records(const
 std::vector<std::vector<Record>> HierarchicalCollectives::exchange(const std::vector<Record>& mine) {
   auto inter = inter_;
   // Network calls on the lane, on buffers the job owns (a job left running must not write here).
-  auto gather = [&](std::vector<char> bytes, bool across) {
+  // (over every rank: the records themselves when something disagrees, and allgather's sizes)
+  auto gather = [&](std::vector<char> bytes) {
     auto box = std::make_shared<std::vector<std::vector<char>>>();
-    on_lane([inter, box, across, bytes = std::move(bytes)] {
-      *box = across ? inter->allgather_bytes_across(bytes) : inter->allgather_bytes(bytes);
-    });
+    on_lane([inter, box, bytes = std::move(bytes)] { *box = inter->allgather_bytes(bytes); });
     return std::move(*box);
   };
   auto gather_all = [&](const std::vector<Record>& recs) {
     std::vector<char> bytes(recs.size() * sizeof(Record));
     std::memcpy(bytes.data(), recs.data(), bytes.size());
     std::vector<std::vector<Record>> all;
-    for (const auto& b : gather(std::move(bytes), false)) {
+    for (const auto& b : gather(std::move(bytes))) {
       std::vector<Record> l(b.size() / sizeof(Record));
       std::memcpy(l.data(), b.data(), l.size() * sizeof(Record));
       all.push_back(std::move(l));
@@ -269,6 +268,7 @@ std::vector<std::vector<Record>> HierarchicalCollectives::exchange(const std::ve
     return all;
   };
   eager_ = 0;
+  eager_sum_ = nullptr;
   // 1. Within the host, as usual (with the data of the small allreduces offered).
   auto local = local_->exchange_records(mine);
   size_t m = mine.size();
@@ -277,53 +277,33 @@ std::vector<std::vector<Record>> HierarchicalCollectives::exchange(const std::ve
   for (size_t j = 1; j < local.size() && local_ok; ++j)
     for (size_t i = 0; i < m && local_ok; ++i)
       local_ok = compare_records(local[0][i], 0, local[j][i], static_cast<int>(j)).empty();
-  // 2. Across hosts, with this rank's counterparts only (one per host): after step 1 every rank of
-  //    a host knows the same things, so what one says for its host each of the others would say
-  //    too. The message: the host's count (-1: it disagrees inside), the running digest after each
-  //    of its first `count` records, then the one-exchange path's share: how many requests the
-  //    host's partial result covers and that partial (reduced over the host's ranks in rank order,
-  //    unscaled, in the wire dtype). The agreed prefix is the shortest count anywhere; it runs if
-  //    every host's digest of it is the same. Every rank reaches the same verdict from the same
-  //    messages; a disagreement anywhere becomes a MismatchError everywhere (with global rank
-  //    numbers, from an allgather of the records themselves over every rank).
-  const size_t k = local_ok ? m : 0;
-  const std::vector<uint64_t> dig = running_digests(mine, k);
-  const int64_t host_eager = local_ok && offered_.numel > 0 ? std::min<int64_t>(local_->eager_agreed(), k) : 0;
-  const size_t partial_numel = host_eager > 0 ? eager_numel(offered_, static_cast<size_t>(host_eager)) : 0;
-  const size_t partial_bytes = partial_numel * dtype_size(offered_.wire_dtype);
-  const int64_t head[3] = {local_ok ? static_cast<int64_t>(m) : -1, host_eager, static_cast<int64_t>(partial_bytes)};
-  std::vector<char> payload(sizeof head + k * sizeof(uint64_t) + partial_bytes);
-  std::memcpy(payload.data(), head, sizeof head);
-  if (k > 0) std::memcpy(payload.data() + sizeof head, &dig[1], k * sizeof(uint64_t));
-  if (partial_bytes > 0)
-    local_->eager_partial(offered_, partial_numel, offered_op_, payload.data() + sizeof head + k * sizeof(uint64_t));
-  std::vector<std::vector<char>> got = gather(std::move(payload), true);
-  const size_t hosts = got.size();
-  int64_t agreed = std::numeric_limits<int64_t>::max(), eager = std::numeric_limits<int64_t>::max();
-  std::vector<int64_t> count(hosts);
-  for (size_t h = 0; h < hosts && agreed >= 0; ++h) {
-    int64_t their[3] = {-1, -1, -1};
-    if (got[h].size() >= sizeof their) std::memcpy(their, got[h].data(), sizeof their);
-    count[h] = their[0];
-    if (their[0] < 0 || their[1] < 0 || their[2] < 0 ||
-        got[h].size() != sizeof their + static_cast<size_t>(their[0]) * sizeof(uint64_t) + static_cast<size_t>(their[2])) {
-      agreed = -1;
-      break;
+  // 2. Across hosts, by the host's first rank only when the host has several (`leader_`; with one
+  //    rank per host every rank is its host's first): after step 1 every rank of a host knows the
+  //    same things, so what one says for its host each of the others would say too. It tells them
+  //    the verdict through shared memory (crossing hosts from every rank at once costs more, with
+  //    the host's cores shared: docs/algorithms.md, "One rank per host"). Without `leader_`
+  //    every rank exchanges with its counterparts (the same local rank) on every host.
+  Verdict v;
+  const bool lead = leader_ && local_->size() > 1;
+  if (lead && local_->rank() != 0) {
+    const char* area = local_->wait_verdict();
+    std::memcpy(&v, area, sizeof v);
+  } else {
+    char* area = lead ? local_->verdict_area() : nullptr;
+    v = cross(mine, local_ok, m, area ? area + kVerdictHead : nullptr);
+    if (area) {
+      std::memcpy(area, &v, sizeof v);
+      local_->publish_verdict();
     }
-    agreed = std::min(agreed, their[0]);
-    eager = std::min(eager, their[1]);
   }
-  if (agreed < 0) return gather_all(mine);
-  const size_t a = static_cast<size_t>(agreed);
-  auto digest_of = [&](size_t h) {
-    if (a == 0) return dig[0];
-    uint64_t d;
-    std::memcpy(&d, got[h].data() + 3 * sizeof(int64_t) + (a - 1) * sizeof(uint64_t), sizeof d);
-    return d;
-  };
+  if (v.status == Verdict::kOk && (v.agreed < 0 || static_cast<size_t>(v.agreed) > mine.size() || v.eager > v.agreed ||
+                                   v.sum_bytes < 0 || static_cast<size_t>(v.sum_bytes) > kEagerSlotBytes))
+    throw EngineError("agreement round across hosts: the host's first rank sent a verdict this rank cannot use (" +
+                      std::to_string(v.agreed) + " of " + std::to_string(mine.size()) + " requests)");
+  if (v.status == Verdict::kDisagree) return gather_all(mine);
+  const size_t a = static_cast<size_t>(v.agreed);
   std::vector<Record> prefix(mine.begin(), mine.begin() + a);
-  for (size_t h = 1; h < hosts; ++h)
-    if (digest_of(h) != digest_of(0)) return gather_all(prefix);
+  if (v.status == Verdict::kDigests) return gather_all(prefix);
   // 3. Identical everywhere. An allgather takes every rank's own sizes: for a round that has one,
   //    each rank's element count and first dimension of each record, from every rank.
   const size_t n = static_cast<size_t>(inter_->size());
@@ -338,7 +318,7 @@ std::vector<std::vector<Record>> HierarchicalCollectives::exchange(const std::ve
     }
     std::vector<char> bytes(words.size() * sizeof(int64_t));
     std::memcpy(bytes.data(), words.data(), bytes.size());
-    const std::vector<std::vector<char>> each = gather(std::move(bytes), false);
+    const std::vector<std::vector<char>> each = gather(std::move(bytes));
     for (size_t j = 0; j < n; ++j) {
       if (each[j].size() != 2 * a * sizeof(int64_t)) throw EngineError("agreement round across hosts: rank " +
                                                                        std::to_string(j) + " sent sizes of another round");
@@ -350,18 +330,85 @@ std::vector<std::vector<Record>> HierarchicalCollectives::exchange(const std::ve
       }
     }
   }
-  if (eager > 0) {
-    // Every host's partial covers at least `eager` requests, laid out alike (the same records in
-    // the same order): keep them, in host order, for eager_allreduce.
-    eager_ = static_cast<uint32_t>(std::min<int64_t>(eager, agreed));
-    partials_.clear();
-    partial_from_.clear();
-    for (size_t h = 0; h < hosts; ++h) {
-      partial_from_.push_back(sizeof(int64_t) * 3 + static_cast<size_t>(count[h]) * sizeof(uint64_t));
-      partials_.push_back(std::move(got[h]));
-    }
+  if (v.eager > 0) {
+    eager_ = static_cast<uint32_t>(v.eager);
+    eager_sum_ = lead ? local_->verdict_area() + kVerdictHead : eager_own_.data();
   }
   return all;
+}
+
+HierarchicalCollectives::Verdict HierarchicalCollectives::cross(const std::vector<Record>& mine, bool local_ok, size_t m,
+                                                                char* sum_out) {
+  // The message: the host's count (-1: it disagrees inside), the running digest after each of its
+  // first `count` records, then the one-exchange path's share: how many requests the host's partial
+  // result covers and that partial (reduced over the host's ranks in rank order, unscaled, in the
+  // wire dtype). The agreed prefix is the shortest count anywhere; it runs if every host's digest
+  // of it is the same. Every rank reaches the same verdict from the same messages; a disagreement
+  // anywhere becomes a MismatchError everywhere (with global rank numbers, from an allgather of the
+  // records themselves over every rank).
+  const size_t k = local_ok ? m : 0;
+  const std::vector<uint64_t> dig = running_digests(mine, k);
+  const int64_t host_eager = local_ok && offered_.numel > 0 ? std::min<int64_t>(local_->eager_agreed(), k) : 0;
+  const size_t partial_numel = host_eager > 0 ? eager_numel(offered_, static_cast<size_t>(host_eager)) : 0;
+  const size_t partial_bytes = partial_numel * dtype_size(offered_.wire_dtype);
+  const int64_t head[3] = {local_ok ? static_cast<int64_t>(m) : -1, host_eager, static_cast<int64_t>(partial_bytes)};
+  std::vector<char> payload(sizeof head + k * sizeof(uint64_t) + partial_bytes);
+  std::memcpy(payload.data(), head, sizeof head);
+  if (k > 0) std::memcpy(payload.data() + sizeof head, &dig[1], k * sizeof(uint64_t));
+  if (partial_bytes > 0)
+    local_->eager_partial(offered_, partial_numel, offered_op_, payload.data() + sizeof head + k * sizeof(uint64_t));
+  auto inter = inter_;
+  auto box = std::make_shared<std::vector<std::vector<char>>>();
+  on_lane([inter, box, bytes = std::move(payload)] { *box = inter->allgather_bytes_across(bytes); });
+  const std::vector<std::vector<char>> got = std::move(*box);
+  const size_t hosts = got.size();
+  Verdict v;
+  int64_t agreed = std::numeric_limits<int64_t>::max(), eager = std::numeric_limits<int64_t>::max();
+  std::vector<int64_t> count(hosts);
+  for (size_t h = 0; h < hosts; ++h) {
+    int64_t their[3] = {-1, -1, -1};
+    if (got[h].size() >= sizeof their) std::memcpy(their, got[h].data(), sizeof their);
+    count[h] = their[0];
+    if (their[0] < 0 || their[1] < 0 || their[2] < 0 ||
+        got[h].size() != sizeof their + static_cast<size_t>(their[0]) * sizeof(uint64_t) + static_cast<size_t>(their[2])) {
+      v.status = Verdict::kDisagree;
+      return v;
+    }
+    agreed = std::min(agreed, their[0]);
+    eager = std::min(eager, their[1]);
+  }
+  const size_t a = static_cast<size_t>(agreed);
+  v.agreed = agreed;
+  auto digest_of = [&](size_t h) {
+    if (a == 0) return dig[0];
+    uint64_t d;
+    std::memcpy(&d, got[h].data() + 3 * sizeof(int64_t) + (a - 1) * sizeof(uint64_t), sizeof d);
+    return d;
+  };
+  for (size_t h = 1; h < hosts; ++h)
+    if (digest_of(h) != digest_of(0)) {
+      v.status = Verdict::kDigests;
+      return v;
+    }
+  if (eager > 0) {
+    // Every host's partial covers at least `eager` requests, laid out alike (the same records in
+    // the same order): add them in host order, unscaled (eager_allreduce scales once, as the
+    // chunk path does: the same bits either way).
+    v.eager = std::min(eager, agreed);
+    const size_t numel = eager_numel(offered_, static_cast<size_t>(v.eager));
+    std::vector<const void*> srcs;
+    for (size_t h = 0; h < hosts; ++h)
+      srcs.push_back(got[h].data() + 3 * sizeof(int64_t) + static_cast<size_t>(count[h]) * sizeof(uint64_t));
+    const size_t bytes = numel * dtype_size(offered_.wire_dtype);
+    if (bytes > kEagerSlotBytes) throw std::logic_error("an eager sum larger than its slot");
+    v.sum_bytes = static_cast<int64_t>(bytes);
+    if (!sum_out) {
+      eager_own_.resize(bytes);
+      sum_out = eager_own_.data();
+    }
+    reduce_block(offered_op_, offered_.wire_dtype, srcs.data(), static_cast<int>(srcs.size()), sum_out, numel, 1.0);
+  }
+  return v;
 }
 
 size_t HierarchicalCollectives::eager_numel(const Bucket& b, size_t count) {
@@ -376,19 +423,14 @@ void HierarchicalCollectives::eager_offer(const AllreduceJob* job, uint32_t coun
 
 void HierarchicalCollectives::eager_allreduce(const AllreduceJob& job) {
   const Bucket& b = *job.bucket;
-  std::vector<const void*> srcs;
-  for (size_t h = 0; h < partials_.size(); ++h) srcs.push_back(partials_[h].data() + partial_from_[h]);
-  if (srcs.empty()) throw std::logic_error("no host's partial for the one-exchange path");
+  if (!eager_sum_) throw std::logic_error("no sum across hosts for the one-exchange path");
   thread_local std::vector<char> scratch;
   const bool direct = b.tensors.size() == 1 && b.wire_dtype == b.dtype;
   if (!direct) scratch.resize(b.nbytes());
   void* dst = direct ? job.outs[0] : scratch.data();
-  // Added, then scaled, as the chunked path does (allreduce_impl's `across`): the same bits either way.
-  reduce_block(job.op, b.wire_dtype, srcs.data(), static_cast<int>(srcs.size()), dst, b.numel, 1.0);
-  if (job.postscale != 1.0) {
-    const void* src = dst;
-    reduce_block(job.op, b.wire_dtype, &src, 1, dst, b.numel, job.postscale);
-  }
+  // The sum over hosts (a prefix of it: this bucket may cover fewer requests), scaled once.
+  const void* src = eager_sum_;
+  reduce_block(job.op, b.wire_dtype, &src, 1, dst, b.numel, job.postscale);
   if (!direct) unpack(b, scratch.data(), job.outs, 1.0, 1);
   local_->count_eager(b.nbytes());
 }

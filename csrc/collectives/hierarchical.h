@@ -56,10 +56,12 @@ class HierarchicalCollectives : public Collectives {
   // (transport/heartbeat.h) with this deadline; a lost host interrupts every network wait with
   // PeerFailure naming it. Collective: exchanges the heartbeat endpoints. `host_id`: this host's
   // identity when hosts are emulated on one machine (FASTXFER_HOST_ID, read by fastxfer.settings);
-  // the heartbeats then name a lost host by it (empty: by the machine's name alone).
+  // the heartbeats then name a lost host by it (empty: by the machine's name alone). `leader`:
+  // the host's first rank alone crosses for the negotiation rounds and tells the host's others
+  // the verdict (FASTXFER_HOST_LEADER); otherwise every rank exchanges with its counterparts.
   HierarchicalCollectives(std::unique_ptr<ShmCollectives> local, std::shared_ptr<InterHost> inter,
                           size_t net_chunk_bytes = 1u << 20, double host_timeout_s = 0,
-                          const std::string& host_id = std::string());
+                          const std::string& host_id = std::string(), bool leader = true);
   ~HierarchicalCollectives() override;
 
   int rank() const override { return inter_->rank(); }
@@ -100,6 +102,20 @@ class HierarchicalCollectives : public Collectives {
 
  private:
   std::vector<std::vector<Record>> exchange(const std::vector<Record>& mine);
+  // What a negotiation round across hosts decided, as the host's first rank tells the others
+  // (the head of ShmSegment::verdict; a sum of `sum_bytes` follows it at kVerdictHead).
+  struct Verdict {
+    enum : int64_t { kOk = 0, kDisagree = 1, kDigests = 2 };  // kDisagree: a host disagrees inside,
+    int64_t status = kOk;                                     // or a message is malformed; kDigests:
+    int64_t agreed = 0;     // the prefix agreed                 the hosts' digests of the prefix differ
+    int64_t eager = 0;      // requests of it the one-exchange path covers
+    int64_t sum_bytes = 0;  // their sum over hosts (unscaled, wire dtype)
+  };
+  static constexpr size_t kVerdictHead = 64;
+  static_assert(sizeof(Verdict) <= kVerdictHead, "the verdict fits its head");
+  // Step 2 of exchange(): the allgather among one rank per host, and its verdict. The eager sum
+  // goes to `sum_out` (the first rank's verdict area, kEagerSlotBytes), or to eager_own_ (null).
+  Verdict cross(const std::vector<Record>& mine, bool local_ok, size_t m, char* sum_out);
   // Packed elements of the first `count` tensors of bucket `b` (padding between them included).
   static size_t eager_numel(const Bucket& b, size_t count);
   void allreduce_impl(const AllreduceJob& job);
@@ -116,8 +132,9 @@ class HierarchicalCollectives : public Collectives {
   Bucket offered_{};                        // this round's offer (numel 0: none)
   ReduceOp offered_op_ = ReduceOp::kSum;
   uint32_t eager_ = 0;                      // requests every host's partial covers (this round)
-  std::vector<std::vector<char>> partials_; // the messages that carried a partial, in rank order
-  std::vector<size_t> partial_from_;        // where in each the partial starts
+  const char* eager_sum_ = nullptr;         // their sum over hosts: in eager_own_ or the verdict
+  std::vector<char> eager_own_;
+  bool leader_ = true;                      // one rank per host crosses for the agreement rounds
   std::shared_ptr<InterHost> inter_;
   size_t net_chunk_bytes_;
   std::string host_id_;                // emulated hosts: this host's id (empty: a real host)

@@ -26,6 +26,15 @@ class ShmCollectives : public Collectives {
   void eager_partial(const Bucket& b, size_t numel, ReduceOp op, void* partial) {
     shm_eager_partial(ctx_, b, numel, op, partial);
   }
+  // One rank per host across hosts (hierarchical.cc): rank 0's verdict of the round just
+  // negotiated, its publication, and the wait of the host's other ranks for it. Double-buffered
+  // with the records, and safe for the same reason (ShmSegment::verdict).
+  char* verdict_area() const { return seg_.verdict(static_cast<int>(ctx_.round & 1)); }
+  void publish_verdict() { seg_.publish(Phase::kVerdict, static_cast<uint32_t>(ctx_.round)); }
+  const char* wait_verdict() {
+    seg_.wait_one(0, Phase::kVerdict, static_cast<uint32_t>(ctx_.round), "the agreement round across hosts");
+    return verdict_area();
+  }
   void count_eager(size_t bytes) {
     ++ctx_.stats.eager;
     ctx_.stats.bytes += bytes;

@@ -682,7 +682,8 @@ std::shared_ptr<Engine> start_engine(const JobConfig& job, std::shared_ptr<Inter
   auto local = std::make_unique<ShmCollectives>(job.shm, job.threads, job.stream_min_bytes);
   std::unique_ptr<Engine> eng =
       inter ? std::make_unique<Engine>(std::make_unique<HierarchicalCollectives>(std::move(local), inter, job.net_chunk_bytes,
-                                                                                   job.host_timeout_s, job.host_id),
+                                                                                   job.host_timeout_s, job.host_id,
+                                                                                   job.host_leader),
                                        job.engine)
             : std::make_unique<Engine>(std::move(local), job.engine);
   // A forked child holds a copy of the parent's engine: its thread does not exist there, its

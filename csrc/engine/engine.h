@@ -223,6 +223,7 @@ struct JobConfig {
                                        // hold at most this on the wire (0: no overlap)
   double host_timeout_s = 0;           // several hosts: heartbeat deadline (0: no heartbeats)
   std::string host_id;                 // several hosts emulated on one machine: this host's id
+  bool host_leader = true;             // one rank per host crosses for the agreement rounds
                                        // (FASTXFER_HOST_ID; empty: a real host)
   EngineConfig engine;
 };

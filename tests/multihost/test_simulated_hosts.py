@@ -65,6 +65,18 @@ def test_every_collective_exact_across_two_hosts(two_hosts):
     assert two_hosts.shm_files("h1") == [] and two_hosts.shm_files("h2") == []
 
 
+def test_every_rank_crossing_for_the_agreement_gives_the_same_exact_results(two_hosts):
+    """FASTXFER_HOST_LEADER=0: every rank, not only each host's first, exchanges the agreement
+    round's message with its counterparts; the small allreduces that ride it and the collectives
+    are exact all the same, and a shape disagreement still reaches every rank."""
+    r = _run(two_hosts, 2, "collectives_worker.py", "eager,collectives", env={"FASTXFER_HOST_LEADER": "0"})
+    for mode in ("eager", "collectives"):
+        assert_ok(r, 4, mode)
+    r = _run(two_hosts, 2, "collectives_worker.py", "mismatch", "shape", env={"FASTXFER_HOST_LEADER": "0"})
+    lines = [ln for ln in r.stdout.splitlines() if "MISMATCH rank" in ln and "STILL" not in ln]
+    assert len(lines) == 4, r.stdout[-3000:] + r.stderr[-3000:]
+
+
 def test_ranks_of_simulated_hosts_are_not_all_bound_to_one_core(two_hosts):
     """Each simulated host's daemon would bind its first rank to core 0, the same core on every host,
     so the two ranks that talk across the link would share one core (docs/multihost.md): the
@@ -110,9 +122,10 @@ def test_three_hosts_on_a_bridge():
         _check_link_bytes(_run(sim, 1, "wire_worker.py", size), 3, 3, size)
 
 
-def _start_training(sim, tmp_path):
+def _start_training(sim, tmp_path, pids=None):
     """link_worker.py (allreduces and allgathers for up to 10 minutes, each rank's outcome in
-    tmp_path/out) on 2 hosts x 2 ranks; returns the launcher once every rank has started."""
+    tmp_path/out) on 2 hosts x 2 ranks; returns the launcher once every rank has started (and fills
+    `pids`, rank -> process id, when given)."""
     import time
 
     from _launch import start
@@ -125,6 +138,8 @@ def _start_training(sim, tmp_path):
     while seen.count("STARTED") < 4 and time.monotonic() < deadline:
         seen += p.stdout.readline()
     assert seen.count("STARTED") == 4, seen
+    if pids is not None:
+        pids.update({int(r): int(pid) for r, pid in re.findall(r"STARTED (\d+) (\d+)", seen)})
     time.sleep(1)
     return p
 
@@ -148,6 +163,36 @@ def test_a_lost_host_fails_the_job_naming_it(tmp_path):
         time.sleep(0.5)
         assert sim.shm_files("h1") == [], "a segment leaked on the surviving host"
         assert subprocess.run(sim.command("h1", ["true"])).returncode == 0  # the host itself lives on
+
+
+def test_a_host_first_rank_that_dies_fails_its_host_peer_naming_it(two_hosts, tmp_path):
+    """h2's first rank (rank 2), which alone takes part in the agreement rounds across hosts and
+    tells rank 3 their verdict, killed with SIGKILL mid-training: rank 3 does not wait for a verdict
+    that will never come but raises PeerFailureError naming rank 2 within seconds, the launcher
+    exits non-zero, and no rank is left running on either host."""
+    import signal
+    import time
+
+    from _launch import finish
+
+    pids = {}
+    p = _start_training(two_hosts, tmp_path, pids)
+    killed = time.time()
+    os.kill(pids[2], signal.SIGKILL)  # the simulated hosts share this machine's process table
+    r = finish(p, timeout=120)
+    assert r.returncode != 0, r.stdout[-2000:] + r.stderr[-2000:]
+    path = tmp_path / "out" / "rank3"
+    for _ in range(100):
+        if path.exists() and path.read_text():
+            break
+        time.sleep(0.1)
+    kind, when, msg = path.read_text().split(" ", 2)
+    assert kind == "PeerFailureError" and f"rank 2 (pid {pids[2]}) died during" in msg, (kind, msg)
+    assert float(when) - killed < 10, (float(when) - killed, msg)
+    time.sleep(1)
+    for host in ("h1", "h2"):
+        assert _ranks_left(two_hosts, host, "link_worker.py") == [], f"ranks left running on {host}"
+    assert two_hosts.shm_files("h1") == [] and two_hosts.shm_files("h2") == []
 
 
 def _ranks_left(sim, host, marker):

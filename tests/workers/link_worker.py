@@ -15,7 +15,7 @@ out_dir, seconds = sys.argv[1], float(sys.argv[2])
 fx.init()
 r, n = fx.rank(), fx.size()
 x = np.full(1 << 18, r + 1.0, np.float32)
-print("STARTED", r, flush=True)
+print("STARTED", r, os.getpid(), flush=True)
 
 
 def record(text: str) -> None:

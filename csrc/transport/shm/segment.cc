@@ -83,6 +83,7 @@ const char* phase_what(int phase1) {
     case static_cast<int>(Phase::kConsumed): return "a collective's data exchange";
     case static_cast<int>(Phase::kOobReady):
     case static_cast<int>(Phase::kOobConsumed): return "oob_allreduce";
+    case static_cast<int>(Phase::kVerdict): return "the agreement round across hosts, which the host's first rank holds";
   }
   return "?";
 }
@@ -113,6 +114,9 @@ uint32_t* ShmSegment::eager_count(int j, int buf) const {
   char* p = static_cast<char*>(base_) + header_bytes_ + j * stride_ + rec_off_;
   return reinterpret_cast<uint32_t*>(p) + 2 + buf;  // after the two record counts, in the same 64 bytes
 }
+char* ShmSegment::verdict(int buf) const {
+  return static_cast<char*>(base_) + header_bytes_ + eager_off_ + 2 * kEagerSlotBytes + static_cast<size_t>(buf) * kVerdictBytes;
+}
 char* ShmSegment::oob_slot(int j) const { return static_cast<char*>(base_) + header_bytes_ + j * stride_ + oob_off_; }
 char* ShmSegment::window(int j, int half) const {
   return static_cast<char*>(base_) + header_bytes_ + j * stride_ + win_off_ + half * (cfg_.window_bytes / 2);
@@ -137,7 +141,8 @@ ShmSegment::Layout ShmSegment::layout_of(ShmConfig& cfg) {
   l.header_bytes = round_up(sizeof(Header), kPage);
   l.rec_off = round_up(sizeof(Control), kPage);
   l.eager_off = l.rec_off + round_up(64 + 2 * static_cast<size_t>(cfg.max_records) * sizeof(Record), kPage);
-  l.oob_off = l.eager_off + 2 * kEagerSlotBytes;
+  // (every rank's stride has room for two verdicts; only rank 0's are used)
+  l.oob_off = l.eager_off + 2 * kEagerSlotBytes + round_up(2 * kVerdictBytes, kPage);
   l.win_off = l.oob_off + cfg.oob_bytes;
   l.stride = l.win_off + cfg.window_bytes;
   l.total = l.header_bytes + l.stride * static_cast<size_t>(std::max(cfg.size, 0));

@@ -43,10 +43,14 @@ struct ShmConfig {
 // Bytes of packed data a rank can send with its records in one negotiation round (per record
 // buffer): the largest bucket the one-exchange path takes (docs/algorithms.md, "Small allreduces").
 constexpr size_t kEagerSlotBytes = 64u << 10;
+// Bytes of what the host's first rank tells the others after a negotiation round across hosts
+// (collectives/hierarchical.cc, "one rank per host"): a 64-byte verdict, then at most one
+// eager bucket's sum over hosts.
+constexpr size_t kVerdictBytes = 64 + kEagerSlotBytes;
 
-enum class Phase : int { kReady = 0, kReduced, kConsumed, kRound, kOobReady, kOobConsumed };
-constexpr int kPhases = 6;
-static_assert(static_cast<int>(Phase::kOobConsumed) + 1 == kPhases, "one counter per phase");
+enum class Phase : int { kReady = 0, kReduced, kConsumed, kRound, kOobReady, kOobConsumed, kVerdict };
+constexpr int kPhases = 7;
+static_assert(static_cast<int>(Phase::kVerdict) + 1 == kPhases, "one counter per phase");
 
 class ShmSegment {
  public:
@@ -85,6 +89,9 @@ class ShmSegment {
   // that buffer's leading records it covers (collectives/shm_eager.cc).
   char* eager_slot(int j, int buf) const;
   uint32_t* eager_count(int j, int buf) const;
+  // Rank 0's verdict of the round whose record buffer is `buf`, for the host's other ranks
+  // (kVerdictBytes; published with Phase::kVerdict). Only rank 0 writes it.
+  char* verdict(int buf) const;
 
   // Stores my counter for `phase` and wakes whoever sleeps on it.
   void publish(Phase phase, uint32_t value);

@@ -361,7 +361,8 @@ def init(comm=None, process_sets=None, *, timeout: float | None = None, engine_c
                         report_dir=config.get("FASTXFER_REPORT_DIR") or "",
                         net_chunk=net_chunk_bytes(), host_timeout=host_timeout(),
                         yield_on_wake=config.get("FASTXFER_YIELD"), host_id=config.get("FASTXFER_HOST_ID") or "",
-                        eager=int(config.get("FASTXFER_EAGER_KB") * 1024))
+                        eager=int(config.get("FASTXFER_EAGER_KB") * 1024),
+                        host_leader=config.get("FASTXFER_HOST_LEADER"))
         here = layout.host_of_rank(layout.rank)
         on_host = [r for r in range(layout.size) if layout.host_of_rank(r) == here] if layout.host_of else []
         settings["clock_offset_us"] = layout.clock_offset_us
@@ -439,7 +440,7 @@ def make_engine(settings: dict, segment: str, local_rank: int, local_size: int, 
                         s["spin_us"], s["stall_warning"], s["report_dir"], list(segment_ranks), list(job_ranks),
                         s.get("net_chunk", 1 << 20), s.get("host_timeout", 0.0), s.get("yield_on_wake", True),
                         s.get("host_id", ""), s.get("clock_offset_us", 0.0), s.get("timeline_mark_cycles", False),
-                        list(member_pids), precreated, s.get("eager", 32 << 10))
+                        list(member_pids), precreated, s.get("eager", 32 << 10), s.get("host_leader", True))
 
 
 def settings() -> dict:

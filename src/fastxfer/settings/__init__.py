@@ -255,6 +255,10 @@ _TABLE: tuple[Setting, ...] = (
     Setting("FASTXFER_NATIVE_MPI", "bool", True,
             "several hosts: call MPI's C API from the engine (no Python, no GIL); 0: through mpi4py, as before",
             "maybe"),
+    Setting("FASTXFER_HOST_LEADER", "bool", True,
+            "several hosts: the host's first rank alone takes part in each agreement round across hosts and tells "
+            "the host's other ranks the verdict through shared memory; 0: every rank talks to its counterparts",
+            "maybe"),
     Setting("FASTXFER_NET_SMALL_KB", "float", 64.0,
             "several hosts: an allreduce shard crosses in one round (each host sends all of it to every other) "
             "while that sends at most this much, else as a reduce-scatter and an allgather", "-1", low=0, high=1 << 20),
