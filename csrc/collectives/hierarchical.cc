@@ -248,14 +248,8 @@ std::vector<std::vector<Record>> HierarchicalCollectives::exchange_records(const
 }
 
 std::vector<std::vector<Record>> HierarchicalCollectives::exchange(const std::vector<Record>& mine) {
-  auto inter = inter_;
-  // Network calls on the lane, on buffers the job owns (a job left running must not write here).
   // (over every rank: the records themselves when something disagrees, and allgather's sizes)
-  auto gather = [&](std::vector<char> bytes) {
-    auto box = std::make_shared<std::vector<std::vector<char>>>();
-    on_lane([inter, box, bytes = std::move(bytes)] { *box = inter->allgather_bytes(bytes); });
-    return std::move(*box);
-  };
+  auto gather = [&](std::vector<char> bytes) { return gather_on_lane(std::move(bytes), false); };
   auto gather_all = [&](const std::vector<Record>& recs) {
     std::vector<char> bytes(recs.size() * sizeof(Record));
     std::memcpy(bytes.data(), recs.data(), bytes.size());
@@ -296,7 +290,7 @@ std::vector<std::vector<Record>> HierarchicalCollectives::exchange(const std::ve
       local_->publish_verdict();
     }
   }
-  if (v.status == Verdict::kOk && (v.agreed < 0 || static_cast<size_t>(v.agreed) > mine.size() || v.eager > v.agreed ||
+  if (v.status != Verdict::kDisagree && (v.agreed < 0 || static_cast<size_t>(v.agreed) > mine.size() || v.eager > v.agreed ||
                                    v.sum_bytes < 0 || static_cast<size_t>(v.sum_bytes) > kEagerSlotBytes))
     throw EngineError("agreement round across hosts: the host's first rank sent a verdict this rank cannot use (" +
                       std::to_string(v.agreed) + " of " + std::to_string(mine.size()) + " requests)");
@@ -337,6 +331,16 @@ std::vector<std::vector<Record>> HierarchicalCollectives::exchange(const std::ve
   return all;
 }
 
+std::vector<std::vector<char>> HierarchicalCollectives::gather_on_lane(std::vector<char> bytes, bool across) {
+  // On the lane, on buffers the job owns (a job left running must not write here).
+  auto inter = inter_;
+  auto box = std::make_shared<std::vector<std::vector<char>>>();
+  on_lane([inter, box, across, bytes = std::move(bytes)] {
+    *box = across ? inter->allgather_bytes_across(bytes) : inter->allgather_bytes(bytes);
+  });
+  return std::move(*box);
+}
+
 HierarchicalCollectives::Verdict HierarchicalCollectives::cross(const std::vector<Record>& mine, bool local_ok, size_t m,
                                                                 char* sum_out) {
   // The message: the host's count (-1: it disagrees inside), the running digest after each of its
@@ -357,10 +361,7 @@ HierarchicalCollectives::Verdict HierarchicalCollectives::cross(const std::vecto
   if (k > 0) std::memcpy(payload.data() + sizeof head, &dig[1], k * sizeof(uint64_t));
   if (partial_bytes > 0)
     local_->eager_partial(offered_, partial_numel, offered_op_, payload.data() + sizeof head + k * sizeof(uint64_t));
-  auto inter = inter_;
-  auto box = std::make_shared<std::vector<std::vector<char>>>();
-  on_lane([inter, box, bytes = std::move(payload)] { *box = inter->allgather_bytes_across(bytes); });
-  const std::vector<std::vector<char>> got = std::move(*box);
+  const std::vector<std::vector<char>> got = gather_on_lane(std::move(payload), true);
   const size_t hosts = got.size();
   Verdict v;
   int64_t agreed = std::numeric_limits<int64_t>::max(), eager = std::numeric_limits<int64_t>::max();

@@ -113,6 +113,8 @@ class HierarchicalCollectives : public Collectives {
   };
   static constexpr size_t kVerdictHead = 64;
   static_assert(sizeof(Verdict) <= kVerdictHead, "the verdict fits its head");
+  // An allgather of bytes over every rank, or (`across`) over this rank's counterparts, on the lane.
+  std::vector<std::vector<char>> gather_on_lane(std::vector<char> bytes, bool across);
   // Step 2 of exchange(): the allgather among one rank per host, and its verdict. The eager sum
   // goes to `sum_out` (the first rank's verdict area, kEagerSlotBytes), or to eager_own_ (null).
   Verdict cross(const std::vector<Record>& mine, bool local_ok, size_t m, char* sum_out);
