@@ -257,7 +257,8 @@ def test_a_link_that_only_slows_down_is_not_a_lost_host(tmp_path):
 
 
 def test_bench_allreduce_across_hosts_with_a_rate_limited_link(tmp_path):
-    """`fastxfer bench allreduce --hosts 2x1 --rates none,200mbit`: every row exact, the link bytes
+    """`fastxfer bench allreduce --hosts 2x1 --rates none,200mbit`, two of the Open MPI configurations
+    (the sweep's other three add launches, not checks): every row exact, the link bytes
     per host are the formula's (bf16 half), the tc token bucket really holds the rate (1 MiB cannot
     cross 200 Mbit/s in under ~38 ms), and the cost model sets a prediction beside each row."""
     import json
@@ -269,7 +270,8 @@ def test_bench_allreduce_across_hosts_with_a_rate_limited_link(tmp_path):
         pytest.skip("tc (iproute2) is not installed: no rate limit to test")
     out = tmp_path / "h.json"
     r = run_command(fastxfer_cmd() + ["bench", "allreduce", "--hosts", "2x1", "-b", "512K", "-e", "1M", "-f", "2",
-                                      "--iters-scale", "0.1", "--rates", "none,200mbit", "--json", str(out)],
+                                      "--iters-scale", "0.1", "--rates", "none,200mbit", "--mpi-configs", "han,no-han",
+                                      "--json", str(out)],
                     env=ENV, timeout=900, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -277,12 +279,15 @@ def test_bench_allreduce_across_hosts_with_a_rate_limited_link(tmp_path):
     size = 1 << 20
     rows = {(row["rate"], row["impl"]): row for row in res["rows"] if row["bytes"] == size}
     for rate in ("none", "200mbit"):
-        for impl in ("fastxfer none", "fastxfer bf16", "mpi4py Allreduce"):
+        for impl in ("fastxfer none", "fastxfer bf16", "mpi4py Allreduce", "mpi4py Allreduce (no-han)"):
             row = rows[(rate, impl)]
             assert row["wrong"] == 0 and row["bytes"] == size, row
         assert size <= rows[(rate, "fastxfer none")]["wire_bytes"] <= 1.1 * size
         assert size / 2 <= rows[(rate, "fastxfer bf16")]["wire_bytes"] <= 1.1 * size / 2
         assert any(impl.startswith("fastxfer none, overlap") for (rt, impl) in rows if rt == rate)
+        # --mpi-configs chose the Open MPI runs: those two and no other
+        assert {i for (rt, i) in rows if rt == rate and i.startswith("mpi4py Allreduce")} == {
+            "mpi4py Allreduce", "mpi4py Allreduce (no-han)"}
     assert rows[("200mbit", "fastxfer none")]["p50"] > (size - 100_000) * 8 / 200e6
     assert rows[("200mbit", "mpi4py Allreduce")]["p50"] > (size - 100_000) * 8 / 200e6
     model = res["model"]
