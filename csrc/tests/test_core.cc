@@ -21,9 +21,13 @@
 #include "common/output_pool.h"
 #include "common/parallel.h"
 #include "transport/heartbeat.h"
+#include "transport/shm/segment.h"
+#include "transport/shm/sync.h"
 
 #include <arpa/inet.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -398,6 +402,90 @@ static void test_heartbeat() {
   }
 }
 
+// A counter that several processes add to loses no count: threads hammer one with increment()
+// (the start-up count of attached ranks was once a fetch_add followed by a store of the result,
+// which put an older count back when two ranks attached at the same moment: a 3-rank job then
+// failed with "only 2 of 3 ranks attached" on every rank).
+static void test_counter_increment_loses_nothing() {
+  shm::Counter c{};
+  const int threads = 4, each = 1000000;
+  std::atomic<int> ready{0};
+  std::vector<std::thread> ts;
+  for (int t = 0; t < threads; ++t)
+    ts.emplace_back([&] {
+      ready.fetch_add(1);
+      while (ready.load() < threads) {  // all start at once, so the additions interleave
+      }
+      for (int i = 0; i < each; ++i) shm::increment(c);
+    });
+  for (auto& t : ts) t.join();
+  CHECK(c.value.load() == static_cast<uint32_t>(threads * each), "counted %u of %d", c.value.load(), threads * each);
+}
+
+// Ranks that attach to a segment at the same moment all count: 8 forked ranks start together
+// (a shared go flag) on a fresh segment, 20 times; every one must get through start-up within
+// its 20 s, and rank 0 must have unlinked the name afterwards.
+static void test_segment_ranks_attaching_together() {
+  const int ranks = 8, rounds = 20;
+  auto* go = static_cast<std::atomic<int>*>(
+      mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
+  CHECK(go != MAP_FAILED, "mmap of the start flag");
+  if (go == MAP_FAILED) return;
+  for (int round = 0; round < rounds; ++round) {
+    ShmConfig cfg;
+    cfg.name = "/dev/shm/fastxfer-test-core-" + std::to_string(getpid()) + "-" + std::to_string(round);
+    cfg.size = ranks;
+    cfg.window_bytes = 64u << 10;
+    cfg.oob_bytes = 4096;
+    cfg.max_records = 16;
+    cfg.attach_timeout_s = 20;
+    go[0].store(0);
+    go[1].store(0);
+    std::fflush(stdout);  // the children would print what is still buffered again
+    std::vector<pid_t> kids;
+    for (int r = 0; r < ranks; ++r) {
+      pid_t pid = fork();
+      if (pid == 0) {
+        cfg.rank = r;
+        if (r != 0)  // the others may come first: they wait for rank 0's file
+          while (go[0].load() == 0) {
+          }
+        int rc = 0;
+        try {
+          ShmSegment seg(cfg);
+          // stay mapped until every rank is through: one that left at once would look dead to a
+          // rank still in start-up
+          go[1].fetch_add(1);
+          const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+          while (go[1].load() < ranks && std::chrono::steady_clock::now() < until)
+            std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        } catch (const std::exception& e) {
+          go[1].fetch_add(1);
+          std::printf("rank %d of round %d: %s\n", r, round, e.what());
+          rc = 1;
+        }
+        std::fflush(stdout);
+        _exit(rc);
+      }
+      kids.push_back(pid);
+    }
+    go[0].store(1);
+    int failed = 0;
+    for (pid_t k : kids) {
+      int st = 0;
+      waitpid(k, &st, 0);
+      failed += !(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    }
+    CHECK(failed == 0, "round %d: %d of %d ranks failed to start together", round, failed, ranks);
+    CHECK(access(cfg.name.c_str(), F_OK) != 0, "round %d left %s behind", round, cfg.name.c_str());
+    if (failed) {
+      unlink(cfg.name.c_str());
+      break;
+    }
+  }
+  munmap(go, 4096);
+}
+
 // What _core.configure does at import (fastxfer/settings.py reads the environment, not the core).
 static void test_process_settings() {
   const int mask = default_threads();
@@ -419,6 +507,8 @@ static void test_process_settings() {
 }
 
 int main() {
+  test_counter_increment_loses_nothing();
+  test_segment_ranks_attaching_together();
   test_process_settings();
   test_net_lane_interrupt();
   test_heartbeat();

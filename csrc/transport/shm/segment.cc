@@ -423,8 +423,7 @@ void ShmSegment::attach(bool creator, double deadline) {
   Control& me = ctl(cfg_.rank);
   me.pid = shm::self_process_id();
   me.state.store(1, std::memory_order_release);
-  uint32_t n = h->attached.value.fetch_add(1, std::memory_order_acq_rel) + 1;
-  shm::publish(h->attached, n);
+  shm::increment(h->attached);  // every rank adds to it: a store could lose another rank's count
   while (!shm::reached(h->attached.value.load(std::memory_order_acquire), static_cast<uint32_t>(cfg_.size))) {
     for (int j = 0; j < cfg_.size; ++j) {
       Control& c = ctl(j);
