@@ -56,6 +56,23 @@ Request request_from_py(Engine& eng, const std::string& kind, const std::string&
   return build_request(std::move(q), eng);
 }
 
+// What _validate.out_like accepts as the output of a collective on `input` (an ndarray):
+// an ndarray of the same dtype and shape, C-contiguous and writable, that either starts where the
+// input starts or shares none of its bytes (np.may_share_memory's bounds check).
+bool out_fits(py::handle input, py::handle output) {
+  if (!py::isinstance<py::array>(output)) return false;
+  auto in = py::reinterpret_borrow<py::array>(input);
+  auto out = py::reinterpret_borrow<py::array>(output);
+  if (out.ndim() != in.ndim() || !out.dtype().equal(in.dtype())) return false;
+  for (py::ssize_t d = 0; d < in.ndim(); ++d)
+    if (out.shape(d) != in.shape(d)) return false;
+  if (!(out.flags() & py::array::c_style) || !out.writeable()) return false;
+  const auto* a = static_cast<const char*>(in.data());
+  const auto* b = static_cast<const char*>(out.data());
+  const py::ssize_t bytes = in.nbytes();
+  return bytes == 0 || a == b || b + bytes <= a || a + bytes <= b;
+}
+
 }  // namespace
 
 void bind_engine(py::module_& m) {
@@ -171,6 +188,42 @@ void bind_engine(py::module_& m) {
           py::arg("compression") = "none", py::arg("root") = 0, py::arg("prescale") = 1.0,
           py::arg("postscale") = 1.0, py::arg("bucket_cap") = 0,
           "A synchronous collective into `output`: submit, wait (without the GIL) and release in one call.")
+      .def(
+          "allreduce_into",
+          [](Engine& eng, py::handle counter, const std::string& prefix, py::handle input, py::handle output,
+             const std::string& op, const std::string& compression, double prescale, double postscale,
+             int64_t bucket_cap) {
+            // The common allreduce (every rank, automatic name) in one call: `output` is checked
+            // here, before a name is taken, and False comes back without a collective when it is not
+            // a buffer that _validate.out_like would accept (the caller then raises its error);
+            // otherwise the name is `prefix` + next(counter), then as run().
+            if (!out_fits(input, output)) return false;
+            py::object n = py::reinterpret_steal<py::object>(PyIter_Next(counter.ptr()));
+            if (!n) {
+              if (PyErr_Occurred()) throw py::error_already_set();
+              throw py::value_error("the name counter is exhausted");
+            }
+            const std::string name = prefix + std::to_string(n.cast<long long>());
+            Request req = request_from_py(eng, "allreduce", name, py::reinterpret_borrow<py::object>(input),
+                                          py::reinterpret_borrow<py::object>(output), op, compression, 0, prescale,
+                                          postscale, bucket_cap, {});
+            req.tracked = false;
+            const uint64_t id = eng.submit(std::move(req), true);
+            py::gil_scoped_release nogil;
+            try {
+              eng.wait(id);
+            } catch (...) {
+              eng.release(id);
+              throw;
+            }
+            eng.release(id);
+            return true;
+          },
+          py::arg("counter"), py::arg("prefix"), py::arg("input"), py::arg("output"), py::arg("op"),
+          py::arg("compression"), py::arg("prescale"), py::arg("postscale"), py::arg("bucket_cap"),
+          "run('allreduce', prefix + next(counter), ...) for a checked input, when `output` has its dtype and "
+          "shape, is C-contiguous, writable and does not overlap it without being it; False (nothing run, the "
+          "counter untouched) otherwise.")
       .def("wait", &Engine::wait, py::arg("id"), py::call_guard<py::gil_scoped_release>())
       .def("done", &Engine::done, py::arg("id"))
       .def("release", &Engine::release, py::arg("id"))

@@ -2,6 +2,7 @@
 every check asserts exact values and the worker prints 'OK <mode> <details>' on success."""
 
 import os
+import re
 import sys
 import time
 
@@ -219,6 +220,29 @@ def collectives():
     x = np.full(1000, r + 1.0, np.float32)
     y = fx.allreduce(x, op="sum", out=x)
     assert y is x and np.all(x == n_ranks * (n_ranks + 1) / 2)
+    # a bad out= on the last rank alone is refused there with check.out_like's error, before the call
+    # takes an automatic name: the next allreduce of every rank still lines up (same names) and is exact
+    if r == n_ranks - 1:
+        base = np.zeros(64, np.float32)
+        ro = np.zeros(8, np.float32)
+        ro.flags.writeable = False
+        ones = np.ones(8, np.float32)
+        for src, bad, kind, text in (
+                (ones, np.zeros(9, np.float32), ValueError, r"out must be float32\[8\], not float32\[9\]"),
+                (ones, np.zeros(8, np.float64), ValueError, r"out must be float32\[8\], not float64\[8\]"),
+                (ones, np.zeros((2, 4), np.float32), ValueError, r"not float32\[2, 4\]"),
+                (ones, ro, ValueError, "C-contiguous and writable"),
+                (ones, np.zeros(16, np.float32)[::2], ValueError, "C-contiguous and writable"),
+                (ones, [0.0] * 8, TypeError, "out must be a numpy.ndarray, not list"),
+                (base[:8], base[4:12], ValueError, "out overlaps the input array without being it")):
+            try:
+                fx.allreduce(src, out=bad, op="sum")
+            except kind as e:
+                assert re.search(text, str(e)), (text, str(e))
+            else:
+                raise AssertionError(f"out={bad!r} was accepted")
+    got = fx.allreduce(np.full(8, r + 1.0, np.float32), op="sum")
+    assert np.all(got == n_ranks * (n_ranks + 1) / 2), got
     # prescale / postscale
     got = fx.allreduce(np.full(10, 2.0, np.float64), op="sum", prescale=0.5, postscale=3.0)
     assert np.all(got == 3.0 * n_ranks)

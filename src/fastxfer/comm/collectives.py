@@ -45,14 +45,18 @@ def _fresh_like(a: np.ndarray) -> np.ndarray:
     return np.empty_like(a)
 
 
-def _auto_name(kind: str, ps=None) -> str:
-    # numbered per process set: only a set's ranks call its collectives
-    key = kind if ps is None else f"{kind}.set{ps.process_set_id}"
+def _counter(key: str) -> itertools.count:
     c = _counters.get(key)
     if c is None:
         with _lock:
             c = _counters.setdefault(key, itertools.count())
-    return f"{key}.{next(c)}"  # next() on a count is one step under the GIL: no lock needed
+    return c
+
+
+def _auto_name(kind: str, ps=None) -> str:
+    # numbered per process set: only a set's ranks call its collectives
+    key = kind if ps is None else f"{kind}.set{ps.process_set_id}"
+    return f"{key}.{next(_counter(key))}"  # next() on a count is one step under the GIL: no lock needed
 
 
 def _sweep(eng) -> None:
@@ -195,12 +199,16 @@ def allreduce(array, op: str = "average", compression: str = "none", name: str |
     """Reduce ``array`` across all ranks and return the result (see allreduce_async)."""
     a = check.array(array)
     opts, wire = _allreduce_plan(op, compression, prescale, postscale, bucket_cap_mb, process_set, name, a.dtype)
-    out = _fresh_like(a) if out is None else check.out_like(out, a)
     if opts.process_set is not None or opts.name is not None:
-        return run(opts, wire, a, out)
-    # run(), inline: the common call's Python is as long as its collective at a few KiB
-    group.engine().run("allreduce", _auto_name("allreduce"), a, out, opts.op, wire, 0, opts.prescale, opts.postscale,
-                       opts.bucket_cap)
+        return run(opts, wire, a, _fresh_like(a) if out is None else check.out_like(out, a))
+    # The common call in one native step (the Python around it is as long as the collective at a
+    # few KiB): the engine checks `out` as check.out_like would and takes the automatic name.
+    if out is None:
+        out = _fresh_like(a)
+    if not group.engine().allreduce_into(_counter("allreduce"), "allreduce.", a, out, opts.op, wire, opts.prescale,
+                                         opts.postscale, opts.bucket_cap):
+        check.out_like(out, a)  # raises, naming what is wrong with it
+        raise AssertionError(f"the engine refused out={out!r} that check.out_like accepts")
     return out
 
 
