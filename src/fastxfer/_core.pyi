@@ -6,7 +6,7 @@ native side only makes sure every buffer it is handed fits (dtype, layout, size:
 ValueError naming the argument). Engine and topology failures come back as ``fastxfer.errors``
 types (PeerFailureError, MismatchError, FastxferError, TopologyError)."""
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -222,6 +222,10 @@ class Engine:
             bucket_cap: int = 0) -> None:
         """A synchronous collective into ``output``: submit, wait (without the GIL) and release in one call;
         raises the request's error."""
+    def allreduce_into(self, counter: Iterator[int], prefix: str, input: np.ndarray, output: object, op: str,
+                       compression: str, prescale: float, postscale: float, bucket_cap: int) -> bool:
+        """``run("allreduce", prefix + str(next(counter)), ...)`` for a checked input, when ``output`` is
+        what ``_validate.out_like`` accepts; False (nothing run, the counter untouched) otherwise."""
     def wait(self, id: int) -> None:
         """Block (without the GIL) until the request finishes; raises its error."""
     def done(self, id: int) -> bool:
