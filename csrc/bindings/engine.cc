@@ -56,6 +56,21 @@ Request request_from_py(Engine& eng, const std::string& kind, const std::string&
   return build_request(std::move(q), eng);
 }
 
+// Submit, wait (without the GIL) and release: the caller holds the buffers for the whole call,
+// so nothing is reported to take_finished().
+void run_sync(Engine& eng, Request req) {
+  req.tracked = false;
+  const uint64_t id = eng.submit(std::move(req), true);
+  py::gil_scoped_release nogil;
+  try {
+    eng.wait(id);
+  } catch (...) {
+    eng.release(id);
+    throw;
+  }
+  eng.release(id);
+}
+
 // What _validate.out_like accepts as the output of a collective on `input` (an ndarray):
 // an ndarray of the same dtype and shape, C-contiguous and writable, that either starts where the
 // input starts or shares none of its bytes (np.may_share_memory's bounds check).
@@ -173,16 +188,7 @@ void bind_engine(py::module_& m) {
             // into `output` (the caller holds both arrays for the whole call: nothing to keep alive)
             Request req = request_from_py(eng, kind, name, input, output, op, compression, root, prescale,
                                           postscale, bucket_cap, {});
-            req.tracked = false;  // nothing for take_finished(): this call holds the buffers and waits
-            const uint64_t id = eng.submit(std::move(req), true);
-            py::gil_scoped_release nogil;
-            try {
-              eng.wait(id);
-            } catch (...) {
-              eng.release(id);
-              throw;
-            }
-            eng.release(id);
+            run_sync(eng, std::move(req));
           },
           py::arg("kind"), py::arg("name"), py::arg("input"), py::arg("output"), py::arg("op") = "sum",
           py::arg("compression") = "none", py::arg("root") = 0, py::arg("prescale") = 1.0,
@@ -207,16 +213,7 @@ void bind_engine(py::module_& m) {
             Request req = request_from_py(eng, "allreduce", name, py::reinterpret_borrow<py::object>(input),
                                           py::reinterpret_borrow<py::object>(output), op, compression, 0, prescale,
                                           postscale, bucket_cap, {});
-            req.tracked = false;
-            const uint64_t id = eng.submit(std::move(req), true);
-            py::gil_scoped_release nogil;
-            try {
-              eng.wait(id);
-            } catch (...) {
-              eng.release(id);
-              throw;
-            }
-            eng.release(id);
+            run_sync(eng, std::move(req));
             return true;
           },
           py::arg("counter"), py::arg("prefix"), py::arg("input"), py::arg("output"), py::arg("op"),
