@@ -23,15 +23,14 @@ void publish(Counter& c, uint32_t v) {
     syscall(SYS_futex, reinterpret_cast<uint32_t*>(&c.value), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
-uint32_t increment(Counter& c) {
-  const uint32_t v = c.value.fetch_add(1, std::memory_order_seq_cst) + 1;
-  if (c.sleepers.load(std::memory_order_seq_cst) != 0)
-    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&c.value), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
-  return v;
-}
 
 void wake(Counter& c) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(&c.value), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+void increment(Counter& c) {
+  c.value.fetch_add(1, std::memory_order_seq_cst);
+  if (c.sleepers.load(std::memory_order_seq_cst) != 0) wake(c);  // as publish: seq_cst on both sides
 }
 
 void sleep_on(Counter& c, uint32_t seen, int timeout_ms) {

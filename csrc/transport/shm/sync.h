@@ -23,8 +23,8 @@ inline bool reached(uint32_t value, uint32_t target) { return static_cast<int32_
 void publish(Counter& c, uint32_t v);
 
 // Adds one to a counter that several processes add to (publish's plain store would let a late
-// writer put back an older count), wakes its sleepers and returns the new value.
-uint32_t increment(Counter& c);
+// writer put back an older count) and wakes its sleepers.
+void increment(Counter& c);
 
 // Wakes every process sleeping on the counter without changing it.
 void wake(Counter& c);
