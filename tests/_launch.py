@@ -23,22 +23,39 @@ SMALL_BUFFERS = {
     "FASTXFER_STREAM_MIN_MB": "0.001",  # exercise the streaming-store paths too
 }
 
-# the modes keras_worker.py's `fit` runs in the shared Keras jobs (conftest.py: keras_job, legacy_keras_job)
+# the modes keras_worker.py's `fit` runs in the shared Keras jobs (conftest.py: keras_job; TF_KERAS_SCRIPTS)
 KERAS_FIT_MODES = "graph,eager,jit,accum,bf16comm,mixed_bfloat16,mixed_float16"
 LEGACY_FIT_MODES = "graph,eager,bf16comm,accum,mixed_float16"
 
-# the 2-rank Keras 3 scripts that share one job (conftest.py: keras3_scripts_job), in this order: the
-# Horovod-style example, Horovod's Keras synthetic benchmark, the Horovod collectives front ends, the
-# native ops' programs (saved under {dir}/native-<mode>), buffer forwarding and held submits, the
-# TensorFlow collectives and tape (it shuts down; the next script joins again), the mismatch cases
-# (each in a process set of its own: the job is unharmed) and, last, Keras models that differ (the
-# engine has failed after it: the worker ends the process itself)
-KERAS3_SCRIPTS = {  # name: (script in the checkout, its arguments; "{dir}" is the script's directory)
+# hvd_parity_worker.py's front-end modes (tests/multiproc/test_horovod_parity.py), run in the shared
+# 2-rank jobs of both Keras flavours; lrcallbacks writes its best-model files into the argument after them
+HVD_PARTIAL = ["partial-fit", "partial-eager", "partial-register", "partialtape-eager", "partialtape-function"]
+HVD_SPARSE = ["sparse-tape-eager", "sparse-tape-function", "sparse-fit"]
+HVD_FRONT_END_MODES = ["lazybcast", "localbcast", *HVD_PARTIAL, "lrcallbacks", "queries", "signatures", *HVD_SPARSE]
+# tape_options_worker.py's modes on both Keras flavours (tests/multiproc/test_tape_options.py)
+TAPE_KERAS_MODES = "optimizer_groups,bpps,syncbn,local_vars"
+HVD_SYNTHETIC_ARGS = ["--no-cuda", "--fp16-allreduce"]
+
+# Scripts that share one job (tests/workers/run_scripts.py: TensorFlow starts once per rank for all of
+# them; conftest.py's *_scripts_job fixtures), each table in the order the scripts run. Each script
+# runs in a directory of its own, "{dir}" in its arguments; an argument ending in "/" is a directory
+# made for it beforehand. A script that shuts fastxfer down leaves the next to join again; one after
+# which the engine has failed (a mismatch in the whole job) ends the process itself and comes last.
+# name: (script in the checkout, its arguments)
+
+# 2 ranks, Keras 3 (keras3_scripts_job): the Horovod front ends (first: they check a warning given once
+# per process), the Horovod-style example, Horovod's Keras synthetic benchmark, the Horovod collectives,
+# gradients through the collectives, the native ops' programs (saved under {dir}/native-<mode>), buffer
+# forwarding and held submits, the TensorFlow collectives and tape, the mismatch cases (each in a process
+# set of its own: the job is unharmed), every dtype, and last Keras models that differ
+KERAS3_SCRIPTS = {
+    "hvd_front_ends": ("tests/workers/hvd_parity_worker.py", [",".join(HVD_FRONT_END_MODES), "{dir}/best/"]),
     "keras_horovod_style": ("examples/keras_horovod_style.py",
-                            ["--epochs", "2", "--checkpoint-dir", "{dir}/checkpoints"]),
+                            ["--epochs", "2", "--checkpoint-dir", "{dir}/checkpoints/"]),
     "tensorflow2_keras_synthetic_benchmark": (
-        "tests/workers/horovod_examples/tensorflow2_keras_synthetic_benchmark.py", ["--no-cuda", "--fp16-allreduce"]),
+        "tests/workers/horovod_examples/tensorflow2_keras_synthetic_benchmark.py", HVD_SYNTHETIC_ARGS),
     "hvd_collectives": ("tests/workers/hvd_collectives_worker.py", []),
+    "gradients": ("tests/workers/gradients_worker.py", []),
     "tf_native": ("tests/workers/tf_native_worker.py", ["programs,engine_collectives,forwarding,hold", "{dir}/native"]),
     "tf_collectives_and_tape": ("tests/workers/tf_worker.py", ["collectives", "tape=none", "tape=bf16"]),
     "hvd_mismatch": ("tests/workers/hvd_mismatch_worker.py", []),
@@ -46,13 +63,40 @@ KERAS3_SCRIPTS = {  # name: (script in the checkout, its arguments; "{dir}" is t
     "keras_mismatch": ("tests/workers/keras_worker.py", ["mismatch"]),
 }
 
-# the 3-rank Keras 3 scripts that share one job (conftest.py: keras3_three_ranks_job), in this order:
-# process sets through TensorFlow and Keras (first: its init registers the sets; it shuts down at the
-# end, and the next script joins again), fit on 3 workers, the Horovod collectives front ends
+# 3 ranks, Keras 3 (keras3_three_ranks_job): process sets through TensorFlow and Keras (first: its init
+# registers the sets), fit on 3 workers, the Horovod collectives front ends, gradients, mismatches, dtypes
 KERAS3_SCRIPTS_3 = {
     "process_sets_tensorflow": ("tests/workers/process_sets_worker.py", ["tensorflow"]),
     "keras_fit_graph": ("tests/workers/keras_worker.py", ["fit", "graph"]),
     "hvd_collectives": ("tests/workers/hvd_collectives_worker.py", []),
+    "gradients": ("tests/workers/gradients_worker.py", []),
+    "hvd_mismatch": ("tests/workers/hvd_mismatch_worker.py", []),
+    "hvd_dtypes": ("tests/workers/hvd_dtypes_worker.py", []),
+}
+
+# 2 ranks, tf-keras (TF_USE_LEGACY_KERAS=1; tf_keras_scripts_job): the front ends, Horovod's four
+# TensorFlow 2 examples, the tape options, the native ops on a tf-keras model (saved under
+# {dir}/native-legacy), and last fit in every legacy mode, SyncBatchNormalization and per-request
+# bucket caps (the engine has failed after them)
+TF_KERAS_SCRIPTS = {
+    "hvd_front_ends": ("tests/workers/hvd_parity_worker.py", [",".join(HVD_FRONT_END_MODES), "{dir}/best/"]),
+    "tensorflow2_keras_mnist": ("tests/workers/horovod_examples/tensorflow2_keras_mnist.py", []),
+    "tensorflow2_mnist": ("tests/workers/horovod_examples/tensorflow2_mnist.py", []),
+    "tensorflow2_keras_synthetic_benchmark": (
+        "tests/workers/horovod_examples/tensorflow2_keras_synthetic_benchmark.py", HVD_SYNTHETIC_ARGS),
+    "tensorflow2_synthetic_benchmark": (
+        "tests/workers/horovod_examples/tensorflow2_synthetic_benchmark.py", HVD_SYNTHETIC_ARGS),
+    "tape_options": ("tests/workers/tape_options_worker.py", [TAPE_KERAS_MODES]),
+    "tf_native_legacy": ("tests/workers/tf_native_worker.py", ["legacy", "{dir}/native"]),
+    "legacy_keras": ("tests/workers/keras_worker.py", ["seq", f"fit={LEGACY_FIT_MODES}", "syncbn", "bucketcap"]),
+}
+
+# 2 ranks, Keras 3 through the tf.numpy_function bridge (FASTXFER_TF_NATIVE=0, chosen per process;
+# bridge_scripts_job): the bridge's programs and engine collectives (saved under {dir}/bridge-<mode>),
+# the mismatch cases and every dtype
+BRIDGE_MODES = "programs,engine_collectives"
+BRIDGE_SCRIPTS = {
+    "tf_bridge": ("tests/workers/tf_native_worker.py", [BRIDGE_MODES, "{dir}/bridge"]),
     "hvd_mismatch": ("tests/workers/hvd_mismatch_worker.py", []),
     "hvd_dtypes": ("tests/workers/hvd_dtypes_worker.py", []),
 }

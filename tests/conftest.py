@@ -95,9 +95,10 @@ def corrupt_record():
 
 # ---- Keras jobs shared by several tests --------------------------------------------------------
 # Starting TensorFlow takes 8 s of CPU per process here, more than most Keras scenarios themselves.
-# The scenarios below run in one 2-rank job of tests/workers/keras_worker.py per Keras flavour, started
-# the first time a test asks for it; each test then checks its own scenario's `OK` lines. The
-# scenario after which the engine has failed (None gradients that differ: a MismatchError) comes last.
+# Keras 3's fit scenarios run in one 2-rank job of tests/workers/keras_worker.py (tf-keras's are the last
+# script of TF_KERAS_SCRIPTS), started the first time a test asks for it; each test then checks its own
+# scenario's `OK` lines. The scenario after which the engine has failed (None gradients that differ: a
+# MismatchError) comes last.
 
 
 @pytest.fixture(scope="session")
@@ -113,38 +114,31 @@ def keras_job(tmp_path_factory):
     return r, ckdir
 
 
-@pytest.fixture(scope="session")
-def legacy_keras_job():
-    """The CompletedProcess of the same kind of job under tf-keras (TF_USE_LEGACY_KERAS=1): fit,
-    SyncBatchNormalization, then per-request bucket caps (numpy collectives; the engine has failed after them)."""
-    pytest.importorskip("tf_keras")
-    from _launch import LEGACY_FIT_MODES, launch
+# The scripts that need no job of their own run one after the other in one job of
+# tests/workers/run_scripts.py per rank count and environment (_launch.KERAS3_SCRIPTS,
+# KERAS3_SCRIPTS_3, TF_KERAS_SCRIPTS, BRIDGE_SCRIPTS), each in a directory of its own; tests read
+# their script's output with _launch.script_output.
 
-    return launch(2, "keras_worker.py", "seq", f"fit={LEGACY_FIT_MODES}", "syncbn", "bucketcap",
-                  env={"TF_CPP_MIN_LOG_LEVEL": "3", "TF_USE_LEGACY_KERAS": "1"}, timeout=900)
+SCRIPTS_ENV = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_USE_LEGACY_KERAS": "0", "FASTXFER_TF_NATIVE": "1"}
 
 
-# The Keras 3 scripts that need no job of their own (_launch.KERAS3_SCRIPTS on 2 ranks,
-# KERAS3_SCRIPTS_3 on 3) run one after the other in one job of tests/workers/run_scripts.py per rank
-# count, each in a directory of its own; tests read their script's output with _launch.script_output.
-
-
-def _scripts_job(tmp_path_factory, np_, table):
+def _scripts_job(tmp_path_factory, np_, table, env=None):
     """(CompletedProcess, directory) of one job of `table`'s scripts, each in <directory>/<name>."""
     pytest.importorskip("tensorflow")
     import os
 
     from _launch import ROOT, launch_scripts
 
-    base = tmp_path_factory.mktemp(f"keras3_scripts_{np_}")
+    base = tmp_path_factory.mktemp(f"scripts_{np_}")
     scripts = []
     for name, (script, args) in table.items():
         (base / name).mkdir()
-        scripts.append((name, base / name, os.path.join(ROOT, script), [a.format(dir=base / name) for a in args]))
-        if "{dir}/checkpoints" in args:
-            (base / name / "checkpoints").mkdir()
-    r = launch_scripts(np_, scripts, env={"TF_CPP_MIN_LOG_LEVEL": "3", "TF_USE_LEGACY_KERAS": "0",
-                                          "FASTXFER_TF_NATIVE": "1"}, timeout=1200)
+        args = [a.format(dir=base / name) for a in args]
+        for a in args:
+            if a.endswith("/") and a.startswith(str(base / name)):
+                os.makedirs(a)
+        scripts.append((name, base / name, os.path.join(ROOT, script), args))
+    r = launch_scripts(np_, scripts, env={**SCRIPTS_ENV, **(env or {})}, timeout=1500)
     return r, base
 
 
@@ -162,3 +156,20 @@ def keras3_three_ranks_job(tmp_path_factory):
     from _launch import KERAS3_SCRIPTS_3
 
     return _scripts_job(tmp_path_factory, 3, KERAS3_SCRIPTS_3)
+
+
+@pytest.fixture(scope="session")
+def tf_keras_scripts_job(tmp_path_factory):
+    """The 2-rank tf-keras job of _launch.TF_KERAS_SCRIPTS: (CompletedProcess, directory)."""
+    pytest.importorskip("tf_keras")
+    from _launch import TF_KERAS_SCRIPTS
+
+    return _scripts_job(tmp_path_factory, 2, TF_KERAS_SCRIPTS, {"TF_USE_LEGACY_KERAS": "1"})
+
+
+@pytest.fixture(scope="session")
+def bridge_scripts_job(tmp_path_factory):
+    """The 2-rank job of _launch.BRIDGE_SCRIPTS through the numpy_function bridge: (CompletedProcess, directory)."""
+    from _launch import BRIDGE_SCRIPTS
+
+    return _scripts_job(tmp_path_factory, 2, BRIDGE_SCRIPTS, {"FASTXFER_TF_NATIVE": "0"})

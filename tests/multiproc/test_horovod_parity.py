@@ -10,7 +10,8 @@ import re
 
 import pytest
 
-from _launch import KERAS3_SCRIPTS, WORKERS, assert_ok, launch, launch_scripts, mpi_launch, needs_mpi, script_output
+from _launch import (HVD_PARTIAL, HVD_SPARSE, HVD_SYNTHETIC_ARGS, KERAS3_SCRIPTS, TF_KERAS_SCRIPTS, assert_ok,
+                     mpi_launch, needs_mpi, script_output)
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="TensorFlow not installed")
 W = "hvd_parity_worker.py"
@@ -20,31 +21,28 @@ TF_KERAS = pytest.param(
 FLAVOURS = ["keras3", TF_KERAS]
 
 
-def env(flavour):
-    return {**ENV, "TF_USE_LEGACY_KERAS": "1" if flavour == "tf-keras" else "0"}
-
-
-PARTIAL = ["partial-fit", "partial-eager", "partial-register", "partialtape-eager", "partialtape-function"]
-SPARSE = ["sparse-tape-eager", "sparse-tape-function", "sparse-fit"]
+def flavour_job(request, flavour):
+    """(CompletedProcess, directory) of the shared 2-rank job of `flavour` (conftest.py)."""
+    return request.getfixturevalue("tf_keras_scripts_job" if flavour == "tf-keras" else "keras3_scripts_job")
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
-def test_keras_and_tensorflow_front_ends(flavour, tmp_path):
-    """One job per Keras flavour (TensorFlow starts once for all of them): BroadcastGlobalVariablesCallback
+def test_keras_and_tensorflow_front_ends(flavour, request):
+    """In the shared 2-rank job of each Keras flavour (conftest.py): BroadcastGlobalVariablesCallback
     on a lazily built model and with local_variables; local layers keeping their gradients
     (PartialDistributedOptimizer, register_local_var, PartialDistributedGradientTape); the learning
     rate callbacks and BestModelCheckpoint; queries; Horovod's signatures; sparse gradients
     allgathered or densified."""
-    modes = ["lazybcast", "localbcast", *PARTIAL, "lrcallbacks", "queries", "signatures", *SPARSE]
-    r = launch(2, W, ",".join(modes), str(tmp_path), env=env(flavour), timeout=900)
-    for tag in ["lazybcast", "localbcast", *[m.replace("-", " ") for m in PARTIAL], "lrcallbacks", "queries",
+    job, base = flavour_job(request, flavour)
+    r = script_output(job, "hvd_front_ends")
+    for tag in ["lazybcast", "localbcast", *[m.replace("-", " ") for m in HVD_PARTIAL], "lrcallbacks", "queries",
                 "signatures"]:
         assert_ok(r, 2, tag)
-    for m in SPARSE:
+    for m in HVD_SPARSE:
         for dense in (False, True):
             assert_ok(r, 2, f"sparse {m.split('-', 1)[1]} sparse_as_dense={dense}")
     # rank 0 alone wrote, and only at the epochs whose averaged score improved (1, 2 and 4)
-    assert sorted(os.listdir(tmp_path)) == ["best-0-1.h5", "best-0-2.h5", "best-0-4.h5"]
+    assert sorted(os.listdir(base / "hvd_front_ends" / "best")) == ["best-0-1.h5", "best-0-2.h5", "best-0-4.h5"]
 
 
 @needs_mpi
@@ -57,40 +55,15 @@ def test_host_queries_under_mpirun(np_, per_host):
 
 
 # -- Horovod's examples, only the import changed ---------------------------------------------------
-# The tf-keras examples run one after the other in one job (tests/workers/run_scripts.py: TensorFlow
-# starts once), each in a directory of its own; each test checks its example's part of the output.
-
-EXAMPLES = os.path.join(WORKERS, "horovod_examples")
-SYNTHETIC_ARGS = ["--no-cuda", "--fp16-allreduce"]
-TF_KERAS_EXAMPLES = {  # name: arguments
-    "tensorflow2_keras_mnist": [],
-    "tensorflow2_mnist": [],
-    "tensorflow2_keras_synthetic_benchmark": SYNTHETIC_ARGS,
-    "tensorflow2_synthetic_benchmark": SYNTHETIC_ARGS,
-}
-
-
-def _examples_job(flavour, examples, base):
-    """One run_scripts.py job of `examples` ({name: args}), each in base/<name>; returns (job, base)."""
-    for name in examples:
-        (base / name).mkdir()
-    return launch_scripts(2, [(name, base / name, os.path.join(EXAMPLES, f"{name}.py"), args)
-                              for name, args in examples.items()], env=env(flavour), timeout=900), base
-
-
-@pytest.fixture(scope="module")
-def tf_keras_examples(tmp_path_factory):
-    return _examples_job("tf-keras", TF_KERAS_EXAMPLES, tmp_path_factory.mktemp("hvd_examples"))
+# They run in the shared 2-rank job of their Keras flavour (conftest.py; tests/workers/run_scripts.py:
+# TensorFlow starts once), each in a directory of its own; each test checks its example's part of the output.
 
 
 def run_example(request, flavour, name, args=()):
     """(its output, its directory) of Horovod example `name` under `flavour`, from the job that ran it."""
-    if flavour == "tf-keras":
-        r, base = request.getfixturevalue("tf_keras_examples")
-        assert TF_KERAS_EXAMPLES[name] == list(args)
-    else:  # the shared Keras 3 job (conftest.py)
-        r, base = request.getfixturevalue("keras3_scripts_job")
-        assert KERAS3_SCRIPTS[name][1] == list(args)
+    table = TF_KERAS_SCRIPTS if flavour == "tf-keras" else KERAS3_SCRIPTS
+    assert table[name] == (f"tests/workers/horovod_examples/{name}.py", list(args))
+    r, base = flavour_job(request, flavour)
     return script_output(r, name), base / name
 
 
@@ -120,7 +93,7 @@ def test_example_tensorflow2_mnist(flavour, request):
 
 @pytest.mark.parametrize("flavour", ["keras3", TF_KERAS])  # on Keras 3 experimental_run_tf_function is its only problem
 def test_example_tensorflow2_keras_synthetic_benchmark(flavour, request):
-    r, _ = run_example(request, flavour, "tensorflow2_keras_synthetic_benchmark", SYNTHETIC_ARGS)
+    r, _ = run_example(request, flavour, "tensorflow2_keras_synthetic_benchmark", HVD_SYNTHETIC_ARGS)
     final = final_lines(r)
     assert final["0"] == final["1"], final  # trainable weights identical on both ranks
     assert re.search(r"Total img/sec on 2 CPU\(s\): [\d.]+ \+-[\d.]+", r.stdout), r.stdout[-2000:]
@@ -128,7 +101,7 @@ def test_example_tensorflow2_keras_synthetic_benchmark(flavour, request):
 
 @pytest.mark.parametrize("flavour", [TF_KERAS])  # calls opt.variables(): a list, not callable, on Keras 3
 def test_example_tensorflow2_synthetic_benchmark(flavour, request):
-    r, _ = run_example(request, flavour, "tensorflow2_synthetic_benchmark", SYNTHETIC_ARGS)
+    r, _ = run_example(request, flavour, "tensorflow2_synthetic_benchmark", HVD_SYNTHETIC_ARGS)
     final = final_lines(r)
     assert final["0"] == final["1"], final
     assert re.search(r"Total img/sec on 2 CPU\(s\): [\d.]+ \+-[\d.]+", r.stdout), r.stdout[-2000:]
@@ -154,11 +127,11 @@ def test_a_collective_whose_ranks_disagree_fails_alone_and_the_next_one_works(n,
     differs, and the next collective of the same kind, under the same name, gives its exact result;
     allgather_object and broadcast_object with names that differ fail their process set
     (tests/workers/hvd_mismatch_worker.py)."""
-    if native == "1":  # in the shared Keras 3 jobs (conftest.py); the bridge is chosen per process
+    if native == "1":  # in the shared Keras 3 jobs (conftest.py); the bridge is chosen per process: a job of its own
         job = request.getfixturevalue({2: "keras3_scripts_job", 3: "keras3_three_ranks_job"}[n])[0]
         r = script_output(job, "hvd_mismatch", n)
     else:
-        r = launch(n, "hvd_mismatch_worker.py", env={**ENV, "FASTXFER_TF_NATIVE": native}, timeout=600)
+        r = script_output(request.getfixturevalue("bridge_scripts_job")[0], "hvd_mismatch")
     for line in assert_ok(r, n, "mismatches"):
         assert line.endswith(": 30 cases"), line
 
@@ -175,6 +148,6 @@ def test_every_dtype_scaling_rule_adasum_and_a_loop_that_catches_an_expected_err
         job = request.getfixturevalue({2: "keras3_scripts_job", 3: "keras3_three_ranks_job"}[n])[0]
         r = script_output(job, "hvd_dtypes", n)
     else:
-        r = launch(n, "hvd_dtypes_worker.py", env={**ENV, "FASTXFER_TF_NATIVE": native}, timeout=600)
+        r = script_output(request.getfixturevalue("bridge_scripts_job")[0], "hvd_dtypes")
     for line in assert_ok(r, n, "hvd dtypes"):
         assert line.endswith(": 125 checks"), line

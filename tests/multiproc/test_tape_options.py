@@ -8,11 +8,10 @@ import re
 
 import pytest
 
-from _launch import assert_ok, launch
+from _launch import TAPE_KERAS_MODES as KERAS_MODES, TF_KERAS_SCRIPTS, assert_ok, launch, script_output
 
 W = "tape_options_worker.py"
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "3"}
-KERAS_MODES = "optimizer_groups,bpps,syncbn,local_vars"
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +79,11 @@ def test_keras3_options_exact(keras3_job, mode):
 
 
 @pytest.fixture(scope="module")
-def tf_keras_job():
+def tf_keras_job(request):
+    """The modes on tf-keras: their part of the shared 2-rank tf-keras job (conftest.py)."""
     pytest.importorskip("tf_keras")
-    return launch(2, W, KERAS_MODES, env={**ENV, "TF_USE_LEGACY_KERAS": "1"}, timeout=600)
+    assert TF_KERAS_SCRIPTS["tape_options"] == (f"tests/workers/{W}", [KERAS_MODES])
+    return script_output(request.getfixturevalue("tf_keras_scripts_job")[0], "tape_options")
 
 
 @pytest.mark.parametrize("mode", KERAS_MODES.split(","))

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from _launch import assert_ok, launch, script_output
+from _launch import BRIDGE_MODES, assert_ok, launch, script_output
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="TensorFlow not installed")
 W = "tf_native_worker.py"
@@ -22,7 +22,6 @@ ENV = {"TF_CPP_MIN_LOG_LEVEL": "3"}
 # Each job runs several modes one after the other (TensorFlow starts once); the native ops and the
 # bridge are chosen per process (FASTXFER_TF_NATIVE), so each has jobs of its own.
 NATIVE_MODES = "programs,engine_collectives,forwarding,hold"
-BRIDGE_MODES = "programs,engine_collectives"
 
 
 def _job(out, modes, native, extra_env=None):
@@ -42,10 +41,14 @@ def native_job(keras3_scripts_job):
 
 
 @pytest.fixture(scope="module")
-def bridge_job(tmp_path_factory):
-    """(job, output prefix) of BRIDGE_MODES through the tf.numpy_function bridge."""
-    out = tmp_path_factory.mktemp("tf_bridge") / "bridge"
-    return _job(out, BRIDGE_MODES, "0"), out
+def bridge_job(bridge_scripts_job):
+    """(job, output prefix) of BRIDGE_MODES through the tf.numpy_function bridge: the worker's part of
+    the shared 2-rank bridge job (conftest.py), saving under <its directory>/bridge."""
+    from _launch import BRIDGE_SCRIPTS
+
+    assert BRIDGE_SCRIPTS["tf_bridge"][1] == [BRIDGE_MODES, "{dir}/bridge"]
+    r, base = bridge_scripts_job
+    return script_output(r, "tf_bridge"), base / "tf_bridge" / "bridge"
 
 
 def _results(job, mode, native):
@@ -127,9 +130,12 @@ def test_new_dtypes_alltoall_and_reducescatter_native_match_bridge_and_exact_val
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tf_keras") is None, reason="tf-keras not installed")
-def test_tf_keras_native_matches_bridge(tmp_path):
+def test_tf_keras_native_matches_bridge(tmp_path, request):
+    """A tf-keras model's step through the native ops (in the shared tf-keras job, conftest.py) and
+    through the bridge (a job of its own: the bridge is chosen per process)."""
     legacy = {"TF_USE_LEGACY_KERAS": "1"}
-    nat = _results((_job(tmp_path / "native", "legacy", "1", legacy), tmp_path / "native"), "legacy", "1")
+    r, base = request.getfixturevalue("tf_keras_scripts_job")
+    nat = _results((script_output(r, "tf_native_legacy"), base / "tf_native_legacy" / "native"), "legacy", "1")
     ref = _results((_job(tmp_path / "bridge", "legacy", "0", legacy), tmp_path / "bridge"), "legacy", "0")
     _assert_bit_identical(nat[0], ref[0])
     _assert_bit_identical(nat[0], nat[1])
