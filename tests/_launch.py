@@ -1,6 +1,7 @@
 """The one way tests start programs: `launch` runs N ranks through the real launcher (`fastxfer run`),
 `run_command` any other command, both always under a timeout; `assert_ok` checks a job's result."""
 
+import contextlib
 import importlib.util
 import os
 import re
@@ -8,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -256,8 +258,20 @@ def assert_ok(r, np_, tag):
     return [line for _, line in found]
 
 
-def fastxfer_segments():
+def fastxfer_segments(folder="/dev/shm"):
     try:
-        return sorted(n for n in os.listdir("/dev/shm") if n.startswith("fastxfer-"))
+        return sorted(n for n in os.listdir(folder) if n.startswith("fastxfer-"))
     except FileNotFoundError:
         return []
+
+
+@contextlib.contextmanager
+def private_shm():
+    """A segment folder of the caller's own in /dev/shm, for jobs started with its FASTXFER_SHM_DIR:
+    what such a job leaves there is its own, whatever else runs on the machine meanwhile (the suite runs
+    in two test processes). Yields (env, folder); removes the folder afterwards."""
+    folder = tempfile.mkdtemp(prefix="fxtest-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    try:
+        yield {"FASTXFER_SHM_DIR": folder}, folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

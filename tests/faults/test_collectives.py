@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from _launch import fastxfer_segments, finish, launch, launch_cmd, launch_env, start
+from _launch import fastxfer_segments, finish, launch, launch_cmd, launch_env, private_shm, start
 
 W = "collectives_worker.py"
 
@@ -35,8 +35,9 @@ def test_mismatch_raises_on_every_rank(kind):
                                                ("exit", 3_000_000, "bf16"), ("kill", 300_001, "fp16"),
                                                ("kill", 3_000_000, "alltoall"), ("kill", 3_000_000, "reducescatter")])
 def test_dead_peer_fails_the_others_fast(how, n, compression):
-    before = fastxfer_segments()
-    r = launch(3, W, "die", how, n, compression)
+    with private_shm() as (env, folder):  # the job's segments in a folder of its own
+        r = launch(3, W, "die", how, n, compression, env=env)
+        left = fastxfer_segments(folder)
     survivors = re.findall(r"PEER-FAILURE rank (\d) after ([\d.]+)s: (.*)", r.stdout)
     assert sorted(s[0] for s in survivors) == ["0", "2"], r.stdout + r.stderr
     assert all(float(s[1]) < 10 for s in survivors)
@@ -45,7 +46,7 @@ def test_dead_peer_fails_the_others_fast(how, n, compression):
     cause = "killed by SIGKILL" if how == "kill" else "exit code 17"
     assert f"rank 1 failed first ({cause})" in r.stderr
     assert r.returncode == (137 if how == "kill" else 17)
-    assert fastxfer_segments() == before
+    assert left == []
 
 
 def test_silent_peer_times_out():
@@ -71,20 +72,21 @@ def test_shutdown_while_a_peer_still_reduces_is_a_peer_failure_naming_it_not_a_h
 
 
 def test_segment_is_owner_only_and_gone_once_everyone_attached():
-    before = set(fastxfer_segments())
-    p = start(launch_cmd(2, W, "slow_attach"), env=launch_env())
-    seen = mode = None
-    deadline = time.monotonic() + 30
-    while seen is None and time.monotonic() < deadline and p.poll() is None:
-        new = [n for n in fastxfer_segments() if n not in before]
-        if new:
-            seen = new[0]
-            mode = stat.S_IMODE(os.stat(f"/dev/shm/{seen}").st_mode)
-        time.sleep(0.02)
-    r = finish(p, timeout=120)  # before any assert, so a failure never leaves the job running
+    with private_shm() as (env, folder):  # the job's segments in a folder of its own
+        p = start(launch_cmd(2, W, "slow_attach"), env=launch_env(env))
+        seen = mode = None
+        deadline = time.monotonic() + 30
+        while seen is None and time.monotonic() < deadline and p.poll() is None:
+            new = fastxfer_segments(folder)
+            if new:
+                seen = new[0]
+                mode = stat.S_IMODE(os.stat(os.path.join(folder, seen)).st_mode)
+            time.sleep(0.02)
+        r = finish(p, timeout=120)  # before any assert, so a failure never leaves the job running
+        left = fastxfer_segments(folder)
     assert r.returncode == 0, r.stdout + r.stderr
     assert seen is not None, "the segment was never visible while rank 1 was late"
     # unguessable: the launcher's pid plus 128 random bits
     assert re.fullmatch(r"fastxfer-\d+-[0-9a-f]{32}", seen), seen
     assert mode == 0o600
-    assert set(fastxfer_segments()) == before
+    assert left == []

@@ -2,7 +2,6 @@
 a worker killed with SIGKILL mid-epoch, during a commit, as rank 0, twice in a row, restarted;
 weights against a plain job that runs the same steps from the same commit."""
 
-import glob
 import importlib.util
 import os
 import re
@@ -12,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from _launch import fastxfer_cmd, finish, launch, launch_cmd, launch_env, run_command, start
+from _launch import fastxfer_cmd, finish, launch, launch_cmd, launch_env, private_shm, run_command, start
 
 HAVE_TF = importlib.util.find_spec("tensorflow") is not None
 needs_tf = pytest.mark.skipif(not HAVE_TF, reason="TensorFlow not installed")
@@ -30,8 +29,11 @@ def lines(r, tag):
     return {int(w): rest for w, rest in re.findall(rf"^\[\s*(\d+)\] {tag} (.*)$", r.stdout, re.M)}
 
 
-def shm_segments():
-    return set(glob.glob("/dev/shm/fastxfer-*"))
+@pytest.fixture(name="private_shm")
+def _private_shm():
+    """(env, folder): segments of the test's jobs in a folder of their own (_launch.private_shm)."""
+    with private_shm() as found:
+        yield found
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +57,9 @@ def ok(r):
 
 
 # -- framework-free ------------------------------------------------------------------------------------
-def test_killed_worker_the_survivors_go_on_and_old_requests_fail():
-    before = shm_segments()
-    r = launch(3, "elastic_np_worker.py", 12, "2@5", launcher_args=elastic(3, 2), env=ENV)
+def test_killed_worker_the_survivors_go_on_and_old_requests_fail(private_shm):
+    shm_env, shm = private_shm
+    r = launch(3, "elastic_np_worker.py", 12, "2@5", launcher_args=elastic(3, 2), env={**ENV, **shm_env})
     ok(r)
     done = lines(r, "DONE")
     assert sorted(done) == [0, 1], r.stdout
@@ -69,7 +71,7 @@ def test_killed_worker_the_survivors_go_on_and_old_requests_fail():
     assert "generation 1: 2 worker(s) (workers 0, 1 as ranks 0..1)" in r.stderr
     assert re.search(r"elastic job finished with 2 worker\(s\) \(generation 1\); recovered from 1 failure\(s\): "
                      r"worker 2 \(rank 2 of generation 0\): killed by SIGKILL", r.stderr), r.stderr
-    assert shm_segments() <= before  # nothing left in /dev/shm
+    assert os.listdir(shm) == []  # no segment left behind
 
 
 def test_a_worker_that_finishes_early_is_a_departure_and_the_others_go_on():
@@ -178,10 +180,10 @@ def test_restarted_worker_that_comes_too_late_is_stopped_and_the_job_succeeds():
     assert "elastic job finished with 2 worker(s) (generation 1)" in r.stderr
 
 
-def test_sigterm_to_an_elastic_launcher_stops_every_worker_and_the_rendezvous():
-    before = shm_segments()
+def test_sigterm_to_an_elastic_launcher_stops_every_worker_and_the_rendezvous(private_shm):
+    shm_env, shm = private_shm
     p = start(launch_cmd(3, "elastic_np_worker.py", 100000, launcher_args=elastic(3, 2)),
-              env=launch_env({**ENV, "NAP": "0.05"}))
+              env=launch_env({**ENV, **shm_env, "NAP": "0.05"}))
     time.sleep(4)  # the workers start and train (a step per 50 ms); stopped wherever they are
     os.kill(p.pid, signal.SIGTERM)
     r = finish(p, timeout=120)
@@ -191,7 +193,7 @@ def test_sigterm_to_an_elastic_launcher_stops_every_worker_and_the_rendezvous():
                            "(worker 0: "), last
     assert "fastxfer run: the launcher asked to stop (SIGTERM): sending SIGTERM to every worker" in r.stderr
     assert "generation 1" not in r.stderr  # stopping is not a failure: no re-forming
-    assert shm_segments() <= before
+    assert os.listdir(shm) == []
 
 
 def test_usage_errors():
@@ -217,9 +219,9 @@ def _final_weights_match_reference(tmp_path, small_pack, generation, size):
 
 
 @needs_tf
-def test_tf_loop_killed_mid_epoch_matches_a_plain_job_from_the_same_commit(tmp_path, small_pack):
-    before = shm_segments()
-    env = {**ENV, "PACK": small_pack, "KILLS": "2@step5"}
+def test_tf_loop_killed_mid_epoch_matches_a_plain_job_from_the_same_commit(tmp_path, small_pack, private_shm):
+    shm_env, shm = private_shm
+    env = {**ENV, **shm_env, "PACK": small_pack, "KILLS": "2@step5"}
     r = launch(3, "elastic_worker.py", "loop", tmp_path, launcher_args=elastic(3, 2), env=env, timeout=600)
     ok(r)
     final = lines(r, "FINAL")
@@ -229,7 +231,7 @@ def test_tf_loop_killed_mid_epoch_matches_a_plain_job_from_the_same_commit(tmp_p
     resume = _final_weights_match_reference(tmp_path, small_pack, 1, 2)
     # restored to the commit after step 5: 5 steps of 3 ranks x 4 records done in epoch 0
     assert int(resume["steps"]) == 5 and int(resume["start"]) == 5 * 3 * 4 and int(resume["epoch"]) == 0
-    assert shm_segments() <= before
+    assert os.listdir(shm) == []
 
 
 @needs_tf
