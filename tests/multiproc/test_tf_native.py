@@ -19,8 +19,9 @@ W = "tf_native_worker.py"
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "3"}
 
 
-# Each job runs several modes one after the other (TensorFlow starts once); the native ops and the
-# bridge are chosen per process (FASTXFER_TF_NATIVE), so each has jobs of its own.
+# Each job runs several modes one after the other (TensorFlow starts once). The native ops and the
+# bridge are chosen per process (FASTXFER_TF_NATIVE), so each has jobs of its own: shared ones
+# (conftest.py: keras3_scripts_job, bridge_scripts_job, tf_keras_scripts_job) and this file's.
 NATIVE_MODES = "programs,engine_collectives,forwarding,hold"
 
 
