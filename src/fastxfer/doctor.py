@@ -20,6 +20,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 
 REQUIREMENTS = ("tensorflow", "native-ops", "mpi", "jpeg", "bf16")
 _MPI_PROBE = (
@@ -66,11 +67,17 @@ def check_mpi() -> dict:
         out["detail"] = "mpi4py is not installed"
         return out
     env = {**os.environ, "OMPI_MCA_pml": os.environ.get("OMPI_MCA_pml", "ob1")}
-    try:
-        r = subprocess.run([sys.executable, "-c", _MPI_PROBE], capture_output=True, text=True, timeout=120, env=env)
-    except subprocess.TimeoutExpired:
-        out["detail"] = "MPI did not start within 120 s (MPI_Init_thread hung)"
-        return out
+    # Open MPI 5 started as a singleton (no mpirun: this probe) leaves its 16 MiB shared-memory
+    # backing file in /dev/shm even after MPI_Finalize; each `fastxfer doctor` would cost a 64 MiB
+    # container /dev/shm a quarter. The probe's file goes to a folder of its own, removed afterwards.
+    with tempfile.TemporaryDirectory(prefix="fastxfer-doctor-mpi-") as backing:
+        env["OMPI_MCA_btl_sm_backing_directory"] = backing
+        try:
+            r = subprocess.run([sys.executable, "-c", _MPI_PROBE], capture_output=True, text=True, timeout=120,
+                               env=env)
+        except subprocess.TimeoutExpired:
+            out["detail"] = "MPI did not start within 120 s (MPI_Init_thread hung)"
+            return out
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if r.returncode != 0 or not lines:
         tail = (r.stderr.strip().splitlines() or ["no output"])[-1]

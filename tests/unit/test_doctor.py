@@ -21,15 +21,26 @@ def doctor(*args, env=None):
     return subprocess.run(fastxfer_cmd() + ["doctor", *args], capture_output=True, text=True, timeout=600, env=e)
 
 
+def _open_mpi_backing_files():
+    return {n for n in os.listdir("/dev/shm") if n.startswith("sm_segment.")} if os.path.isdir("/dev/shm") else set()
+
+
 @pytest.fixture(scope="module")
 def report():
+    before = _open_mpi_backing_files()
     r = doctor("--json", "--np", "3", env={"FASTXFER_OOB_KB": "512", "FASTXFER_SHM_WINDOW_MB": "4"})
     assert r.returncode in (0, 1), r.stderr
-    return json.loads(r.stdout), r.returncode
+    return json.loads(r.stdout), r.returncode, _open_mpi_backing_files() - before
+
+
+def test_doctor_leaves_nothing_in_dev_shm(report):
+    """The MPI probe starts Open MPI as a singleton, which leaves a 16 MiB backing file in /dev/shm
+    after MPI_Finalize unless told where to put it (doctor.check_mpi)."""
+    assert report[2] == set()
 
 
 def test_doctor_json_says_what_this_installation_has(report):
-    rep, rc = report
+    rep, rc, _ = report
     assert rep["fastxfer"]["version"] == fastxfer.__version__
     assert rep["fastxfer"]["simd"]["active"] == _core.simd_level()
     assert rep["fastxfer"]["simd"]["supported"] == list(_core.supported_simd_levels())
@@ -48,7 +59,7 @@ def test_doctor_json_says_what_this_installation_has(report):
 
 
 def test_doctor_reports_mpi_and_tensorflow_as_installed(report):
-    rep, _ = report
+    rep, _, _ = report
     mpi, tf = rep["mpi"], rep["tensorflow"]
     try:
         import mpi4py
