@@ -9,8 +9,7 @@ import sys
 import pytest
 
 from _launch import (MPI_ENV, WORKERS, assert_ok, fastxfer_segments, launch, launch_env, mpi_launch, needs_mpi,
-                     private_shm,
-                     run_command)
+                     private_shm, run_command)
 
 pytestmark = needs_mpi
 W = "collectives_worker.py"
@@ -30,7 +29,8 @@ HIERARCHICAL = ["sweep", "compressed", "collectives", "dtypes15", "alltoall", "r
 @pytest.fixture(scope="module")
 def two_emulated_hosts():
     """One mpirun job of 4 ranks on 2 emulated hosts for the tests below: the layout, then every
-    HIERARCHICAL mode (mpirun starts once); (job, segments before, segments after)."""
+    HIERARCHICAL mode (mpirun starts once), its segments in a folder of their own; (job, the segments
+    there before it: none, the segments it left there)."""
     with private_shm() as (env, folder):  # a folder of its own: other tests' jobs may run meanwhile
         r = mpi_launch(4, W, ",".join(["info", *HIERARCHICAL]), per_host=2, env=env)
         return r, [], fastxfer_segments(folder)
