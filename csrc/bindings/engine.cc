@@ -3,6 +3,7 @@
 #include <dlfcn.h>
 #include <pybind11/stl.h>
 
+#include <charconv>
 #include <memory>
 #include <string>
 #include <vector>
@@ -27,33 +28,45 @@ CollectiveKind kind_from_name(const std::string& k) {
   throw py::value_error("unknown collective '" + k + "'");
 }
 
-Request request_from_py(Engine& eng, const std::string& kind, const std::string& name, py::object input,
-                        py::object output, const std::string& op, const std::string& compression, int root,
-                        double prescale, double postscale, int64_t bucket_cap, std::vector<int64_t> splits) {
-  RequestSpec q;
-  q.kind = kind_from_name(kind);
-  q.name = name;
+// The spec of a numpy call, into `q` (refilled: its name and shape keep their storage).
+void spec_from_py(RequestSpec& q, CollectiveKind kind, py::handle input, py::handle output, const std::string& op,
+                  const std::string& compression, int root, double prescale, double postscale, int64_t bucket_cap) {
+  q.kind = kind;
+  q.dtype = DType::kFloat32;
+  q.has_data = false;
+  q.shape.clear();
+  q.in = nullptr;
+  q.out = nullptr;
   q.op = op_from_name(op);
   q.compression = compression_from_name(compression);
   q.root = root;
   q.prescale = prescale;
   q.postscale = postscale;
   q.bucket_cap = bucket_cap;
-  q.splits = std::move(splits);
+  q.group = 0;
+  q.splits.clear();
   size_t numel = 0;
   if (!input.is_none()) {
-    py::array in = input.cast<py::array>();
+    if (!py::isinstance<py::array>(input)) checked_data(input, "input", "", 0, false);  // raises, naming the type
+    auto in = py::reinterpret_borrow<py::array>(input);
+    const std::string dt = dtype_str(in);
     q.has_data = true;
-    q.dtype = dtype_from_name(dtype_str(in));
+    q.dtype = dtype_from_name(dt);
     numel = size_of(in);
-    q.shape = shape_of(in);
-    q.in = checked_data(in, "input", dtype_str(in), numel, false);
+    for (py::ssize_t i = 0; i < in.ndim(); ++i) q.shape.push_back(static_cast<int64_t>(in.shape(i)));
+    q.in = checked_data(in, "input", dt, numel, false);
   }
-  if (!output.is_none()) {
-    py::array out = output.cast<py::array>();
-    q.out = checked_data(out, "output", dtype_name(q.dtype), numel, true);
-  }
-  return build_request(std::move(q), eng);
+  if (!output.is_none()) q.out = checked_data(output, "output", dtype_name(q.dtype), numel, true);
+}
+
+Request request_from_py(Engine& eng, const std::string& kind, const std::string& name, py::object input,
+                        py::object output, const std::string& op, const std::string& compression, int root,
+                        double prescale, double postscale, int64_t bucket_cap, std::vector<int64_t> splits) {
+  RequestSpec q;
+  spec_from_py(q, kind_from_name(kind), input, output, op, compression, root, prescale, postscale, bucket_cap);
+  q.name = name;
+  q.splits = std::move(splits);
+  return build_request(q, eng);
 }
 
 // Submit, wait (without the GIL) and release: the caller holds the buffers for the whole call,
@@ -204,16 +217,19 @@ void bind_engine(py::module_& m) {
             // a buffer that _validate.out_like would accept (the caller then raises its error);
             // otherwise the name is `prefix` + next(counter), then as run().
             if (!out_fits(input, output)) return false;
+            // One spec per thread, refilled for each call: the name and shape reuse its storage.
+            thread_local RequestSpec spec;
+            spec_from_py(spec, CollectiveKind::kAllreduce, input, output, op, compression, 0, prescale, postscale,
+                         bucket_cap);
             py::object n = py::reinterpret_steal<py::object>(PyIter_Next(counter.ptr()));
             if (!n) {
               if (PyErr_Occurred()) throw py::error_already_set();
               throw py::value_error("the name counter is exhausted");
             }
-            const std::string name = prefix + std::to_string(n.cast<long long>());
-            Request req = request_from_py(eng, "allreduce", name, py::reinterpret_borrow<py::object>(input),
-                                          py::reinterpret_borrow<py::object>(output), op, compression, 0, prescale,
-                                          postscale, bucket_cap, {});
-            run_sync(eng, std::move(req));
+            char digits[24];
+            const auto end = std::to_chars(digits, digits + sizeof digits, n.cast<long long>()).ptr;
+            spec.name.assign(prefix).append(digits, end);
+            run_sync(eng, build_request(spec, eng));
             return true;
           },
           py::arg("counter"), py::arg("prefix"), py::arg("input"), py::arg("output"), py::arg("op"),

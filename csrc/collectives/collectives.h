@@ -51,8 +51,10 @@ class Collectives {
   virtual int size() const = 0;
 
   // Publishes this rank's records (the requests it has, in order, starting at the same global
-  // index on every rank) and returns every rank's list, indexed by rank.
-  virtual std::vector<std::vector<Record>> exchange_records(const std::vector<Record>& mine) = 0;
+  // index on every rank) and puts every rank's list in `all`, indexed by rank. `all` is the
+  // caller's storage, kept from round to round: the lists reuse its capacity, so a round of a few
+  // requests allocates nothing.
+  virtual void exchange_records(const std::vector<Record>& mine, std::vector<std::vector<Record>>& all) = 0;
 
   // The one-exchange path for small allreduces (docs/algorithms.md, "Small allreduces"): the data
   // of the round's leading allreduces travels with the records, so such a bucket costs one wait

@@ -241,10 +241,8 @@ void HierarchicalCollectives::guarded(F&& body) {
   }
 }
 
-std::vector<std::vector<Record>> HierarchicalCollectives::exchange_records(const std::vector<Record>& mine) {
-  std::vector<std::vector<Record>> result;
-  guarded([&] { result = exchange(mine); });
-  return result;
+void HierarchicalCollectives::exchange_records(const std::vector<Record>& mine, std::vector<std::vector<Record>>& all) {
+  guarded([&] { all = exchange(mine); });
 }
 
 std::vector<std::vector<Record>> HierarchicalCollectives::exchange(const std::vector<Record>& mine) {
@@ -264,7 +262,8 @@ std::vector<std::vector<Record>> HierarchicalCollectives::exchange(const std::ve
   eager_ = 0;
   eager_sum_ = nullptr;
   // 1. Within the host, as usual (with the data of the small allreduces offered).
-  auto local = local_->exchange_records(mine);
+  std::vector<std::vector<Record>>& local = local_records_;
+  local_->exchange_records(mine, local);
   size_t m = mine.size();
   for (const auto& l : local) m = std::min(m, l.size());
   bool local_ok = true;

@@ -66,7 +66,7 @@ class HierarchicalCollectives : public Collectives {
 
   int rank() const override { return inter_->rank(); }
   int size() const override { return inter_->size(); }
-  std::vector<std::vector<Record>> exchange_records(const std::vector<Record>& mine) override;
+  void exchange_records(const std::vector<Record>& mine, std::vector<std::vector<Record>>& all) override;
   // The one-exchange path: the host's offer goes into the shared-memory round; its partial result
   // crosses hosts with the agreement's allgather (exchange()).
   size_t eager_capacity() const override { return local_->eager_capacity(); }
@@ -136,6 +136,7 @@ class HierarchicalCollectives : public Collectives {
   uint32_t eager_ = 0;                      // requests every host's partial covers (this round)
   const char* eager_sum_ = nullptr;         // their sum over hosts: in eager_own_ or the verdict
   std::vector<char> eager_own_;
+  std::vector<std::vector<Record>> local_records_;  // exchange(): this host's lists, storage kept between rounds
   bool leader_ = true;                      // one rank per host crosses for the agreement rounds
   std::shared_ptr<InterHost> inter_;
   size_t net_chunk_bytes_;

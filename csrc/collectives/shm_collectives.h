@@ -15,8 +15,8 @@ class ShmCollectives : public Collectives {
 
   int rank() const override { return seg_.rank(); }
   int size() const override { return seg_.size(); }
-  std::vector<std::vector<Record>> exchange_records(const std::vector<Record>& mine) override {
-    return shm_exchange_records(ctx_, mine);
+  void exchange_records(const std::vector<Record>& mine, std::vector<std::vector<Record>>& all) override {
+    shm_exchange_records(ctx_, mine, all);
   }
   size_t eager_capacity() const override { return kEagerSlotBytes; }
   void eager_offer(const AllreduceJob* job, uint32_t count) override { shm_eager_offer(ctx_, job, count); }

@@ -49,7 +49,7 @@ inline void end_chunk(ShmContext& c, const WindowChunk& ch) {
 // One algorithm per file (collectives/shm_*.cc); docs/algorithms.md lists their steps and bytes.
 
 // Agree on the next requests: every rank's record list, indexed by rank (shm_negotiate.cc).
-std::vector<std::vector<Record>> shm_exchange_records(ShmContext& c, const std::vector<Record>& mine);
+void shm_exchange_records(ShmContext& c, const std::vector<Record>& mine, std::vector<std::vector<Record>>& all);
 
 // The one-exchange path for small allreduces (shm_eager.cc): before the round's exchange, pack the
 // offered bucket into this rank's data slot of the round's record buffer and say how many requests

@@ -22,6 +22,13 @@ namespace {
 // The packed size of the bucket's first elements up to `numel`, in wire bytes.
 size_t wire_bytes(const Bucket& b, size_t numel) { return numel * dtype_size(b.wire_dtype); }
 
+// Room for one pointer per rank's slot, kept by the thread (a round allocates nothing).
+std::vector<const void*>& slot_pointers(int n) {
+  thread_local std::vector<const void*> srcs;
+  srcs.resize(static_cast<size_t>(n));
+  return srcs;
+}
+
 }  // namespace
 
 void shm_eager_offer(ShmContext& c, const AllreduceJob* job, uint32_t count) {
@@ -48,7 +55,7 @@ uint32_t shm_eager_agreed(const ShmContext& c) {
 void shm_eager_partial(ShmContext& c, const Bucket& b, size_t numel, ReduceOp op, void* partial) {
   ShmSegment& seg = c.seg;
   const int buf = static_cast<int>((c.round - 1) & 1);
-  std::vector<const void*> srcs(seg.size());
+  std::vector<const void*>& srcs = slot_pointers(seg.size());
   for (int j = 0; j < seg.size(); ++j) srcs[j] = seg.eager_slot(j, buf);
   const auto t0 = std::chrono::steady_clock::now();
   reduce_block(op, b.wire_dtype, srcs.data(), seg.size(), partial, numel, 1.0);
@@ -59,7 +66,7 @@ void shm_eager_allreduce(ShmContext& c, const AllreduceJob& job) {
   ShmSegment& seg = c.seg;
   const Bucket& b = *job.bucket;
   const int buf = static_cast<int>((c.round - 1) & 1);
-  std::vector<const void*> srcs(seg.size());
+  std::vector<const void*>& srcs = slot_pointers(seg.size());
   for (int j = 0; j < seg.size(); ++j) srcs[j] = seg.eager_slot(j, buf);
   const auto t0 = std::chrono::steady_clock::now();
   if (b.tensors.size() == 1 && b.wire_dtype == b.dtype) {

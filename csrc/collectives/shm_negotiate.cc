@@ -9,7 +9,7 @@
 
 namespace fastxfer {
 
-std::vector<std::vector<Record>> shm_exchange_records(ShmContext& c, const std::vector<Record>& mine) {
+void shm_exchange_records(ShmContext& c, const std::vector<Record>& mine, std::vector<std::vector<Record>>& all) {
   ShmSegment& seg = c.seg;
   const int max_records = seg.config().max_records;
   if (mine.size() > static_cast<size_t>(max_records)) throw std::invalid_argument("too many records for one round");
@@ -22,7 +22,7 @@ std::vector<std::vector<Record>> shm_exchange_records(ShmContext& c, const std::
   seg.publish(Phase::kRound, next_round);
   // 2. Wait for every rank's records of this round, then copy them out.
   seg.wait_all(Phase::kRound, next_round, "negotiation");
-  std::vector<std::vector<Record>> all(seg.size());
+  all.resize(seg.size());
   for (int j = 0; j < seg.size(); ++j) {
     uint32_t n = std::min<uint32_t>(*seg.record_count(j, buf), static_cast<uint32_t>(max_records));
     all[j].assign(seg.records(j, buf), seg.records(j, buf) + n);
@@ -32,7 +32,6 @@ std::vector<std::vector<Record>> shm_exchange_records(ShmContext& c, const std::
   ++c.round;
   ++c.stats.rounds;
   c.stats.negotiate += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return all;
 }
 
 }  // namespace fastxfer

@@ -53,7 +53,7 @@ WorkerPool::~WorkerPool() {
     if (t.joinable()) t.join();
 }
 
-void WorkerPool::run(int count, const std::function<void(int)>& task) {
+void WorkerPool::run(int count, FunctionRef<void(int)> task) {
   if (inherited())
     throw std::runtime_error("a thread pool created before fork() cannot run in the child process: "
                              "create the object (e.g. the Loader) again after forking");
@@ -98,7 +98,7 @@ void WorkerPool::ensure_workers(int n) {
 
 void WorkerPool::loop(int index, uint64_t seen) {
   for (;;) {
-    const std::function<void(int)>* task;
+    const FunctionRef<void(int)>* task;
     {
       std::unique_lock<std::mutex> lk(mu_);
       cv_.wait(lk, [&] { return generation_ != seen; });
@@ -143,7 +143,7 @@ WorkerPool& global_pool() {
 }  // namespace
 
 void parallel_for(size_t n, int threads, size_t min_per_thread, size_t align,
-                  const std::function<void(size_t, size_t)>& fn) {
+                  FunctionRef<void(size_t, size_t)> fn) {
   if (n == 0) return;
   if (threads <= 0) threads = default_threads();
   if (align == 0) align = 1;

@@ -4,12 +4,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
-#include <functional>
 #include <mutex>
 #include <thread>
 #include <vector>
 
 #include <sys/types.h>
+
+#include "common/function_ref.h"
 
 namespace fastxfer {
 
@@ -35,7 +36,7 @@ class WorkerPool {
   WorkerPool& operator=(const WorkerPool&) = delete;
 
   std::mutex& owner() { return owner_; }
-  void run(int count, const std::function<void(int)>& task);
+  void run(int count, FunctionRef<void(int)> task);
   // True in a child process that inherited this pool through fork(). Such a pool must be leaked,
   // not destroyed: its condition variables still count the parent's sleeping workers.
   bool inherited() const;
@@ -48,7 +49,7 @@ class WorkerPool {
   std::mutex mu_;
   std::condition_variable cv_, done_cv_;
   std::vector<std::thread> workers_;
-  const std::function<void(int)>* task_ = nullptr;
+  const FunctionRef<void(int)>* task_ = nullptr;
   int pending_ = 0;
   int active_ = 0;
   bool stop_ = false;
@@ -63,6 +64,6 @@ class WorkerPool {
 // first range itself. If the pool is busy with another caller, the work runs inline on the
 // caller rather than waiting: two Python threads compressing at once never block each other.
 void parallel_for(size_t n, int threads, size_t min_per_thread, size_t align,
-                  const std::function<void(size_t, size_t)>& fn);
+                  FunctionRef<void(size_t, size_t)> fn);
 
 }  // namespace fastxfer

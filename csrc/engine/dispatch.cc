@@ -87,7 +87,7 @@ size_t Engine::eager_prefix(const std::vector<Request*>& offered) const {
   return n;
 }
 
-AllreduceJob Engine::eager_job(const std::vector<Request*>& reqs, size_t n, Bucket& bucket) const {
+void Engine::eager_job(const std::vector<Request*>& reqs, size_t n, Bucket& bucket, AllreduceJob& job) const {
   // BucketPlanner's layout of one bucket (tensors back to back from 64-byte boundaries), built
   // here without planning: this runs in every round, for calls that cost microseconds.
   const Request* r = reqs[0];
@@ -96,9 +96,9 @@ AllreduceJob Engine::eager_job(const std::vector<Request*>& reqs, size_t n, Buck
   bucket.wire_dtype = wire_dtype(r->dtype, r->compression);
   const size_t align = kBucketAlignBytes / dtype_size(bucket.wire_dtype);
   bucket.numel = 0;
-  bucket.tensors.reserve(n);
-  bucket.offsets.reserve(n);
-  bucket.numels.reserve(n);
+  bucket.tensors.clear();
+  bucket.offsets.clear();
+  bucket.numels.clear();
   for (size_t k = 0; k < n; ++k) {
     const size_t offset = (bucket.numel + align - 1) / align * align;
     bucket.tensors.push_back(static_cast<int>(k));
@@ -106,12 +106,16 @@ AllreduceJob Engine::eager_job(const std::vector<Request*>& reqs, size_t n, Buck
     bucket.numels.push_back(reqs[k]->numel);
     bucket.numel = offset + reqs[k]->numel;
   }
-  AllreduceJob job{&bucket, {}, {}, r->op, r->prescale, r->postscale};
+  job.bucket = &bucket;
+  job.op = r->op;
+  job.prescale = r->prescale;
+  job.postscale = r->postscale;
+  job.srcs.clear();
+  job.outs.clear();
   for (size_t k = 0; k < n; ++k) {
     job.srcs.push_back(reqs[k]->in);
     job.outs.push_back(reqs[k]->out);
   }
-  return job;
 }
 
 void Engine::run_eager(const std::vector<Request*>& batch, size_t n, Bucket& b, AllreduceJob& job) {

@@ -118,8 +118,8 @@ uint64_t Engine::submit(Request req, bool defer, bool hold) {
   if (req.kind == CollectiveKind::kShutdown) shutdown_requested_ = true;
   if (timeline_.enabled()) req.t_submit = timeline_.now();
   uint64_t id = req.id;
-  status_[id] = Status{};
-  queue_.push_back(std::make_unique<Request>(std::move(req)));
+  new_status_locked(id);
+  queue_.push_back(new_request_locked(std::move(req)));
   comm_->set_engine_idle(false);
   if (hold) {
     // Not woken (waking it for the first of a group was measured to cost more than the round it
@@ -220,9 +220,58 @@ void Engine::detach(uint64_t id) {
 void Engine::release(uint64_t id) {
   std::lock_guard<std::mutex> lk(mu_);
   auto it = status_.find(id);
-  if (it != status_.end() && it->second.finished) {
-    status_.erase(it);
-    active_.erase(id);
+  if (it != status_.end() && it->second.finished) forget_locked(it);
+}
+
+std::unique_ptr<Request> Engine::new_request_locked(Request&& req) {
+  if (spare_requests_.empty()) return std::make_unique<Request>(std::move(req));
+  std::unique_ptr<Request> r = std::move(spare_requests_.back());
+  spare_requests_.pop_back();
+  *r = std::move(req);
+  return r;
+}
+
+void Engine::new_status_locked(uint64_t id) {
+  if (spare_status_.empty()) {
+    status_[id] = Status{};
+    return;
+  }
+  StatusMap::node_type node = std::move(spare_status_.back());
+  spare_status_.pop_back();
+  node.key() = id;
+  node.mapped() = Status{};
+  status_.insert(std::move(node));
+}
+
+void Engine::make_active_locked(std::unique_ptr<Request> r) {
+  const uint64_t id = r->id;
+  if (spare_active_.empty()) {
+    active_[id] = std::move(r);
+    return;
+  }
+  ActiveMap::node_type node = std::move(spare_active_.back());
+  spare_active_.pop_back();
+  node.key() = id;
+  node.mapped() = std::move(r);
+  active_.insert(std::move(node));
+}
+
+void Engine::forget_locked(StatusMap::iterator it) {
+  const uint64_t id = it->first;
+  if (spare_status_.size() < kSpares) spare_status_.push_back(status_.extract(it));
+  else status_.erase(it);
+  auto a = active_.find(id);
+  if (a == active_.end()) return;
+  if (spare_active_.size() >= kSpares) {
+    active_.erase(a);
+    return;
+  }
+  ActiveMap::node_type node = active_.extract(a);
+  std::unique_ptr<Request> r = std::move(node.mapped());
+  spare_active_.push_back(std::move(node));
+  if (r && spare_requests_.size() < kSpares) {
+    *r = Request{};  // its buffers (an allgather's result) go now, not when the storage is reused
+    spare_requests_.push_back(std::move(r));
   }
 }
 
@@ -249,12 +298,12 @@ void Engine::finish(Request* r) {
   if (r->tracked) finished_.push_back(r->id);
   auto it = status_.find(r->id);
   if (it != status_.end() && it->second.detached) {  // nobody will wait: forget it now
-    status_.erase(it);
-    active_.erase(r->id);
+    forget_locked(it);
     return;
   }
-  status_[r->id].finished = true;
-  status_[r->id].joined_last = r->joined_last;
+  Status& st = it != status_.end() ? it->second : status_[r->id];
+  st.finished = true;
+  st.joined_last = r->joined_last;
   done_cv_.notify_all();
 }
 
@@ -331,8 +380,10 @@ void Engine::fail_all(ErrorKind kind, const std::string& msg) {
 // ended with the shutdown request. Throws what the collectives throw.
 bool Engine::run_round() {
   const bool tl = timeline_.enabled();
-  std::vector<Record> recs;
-  std::vector<Request*> offered;
+  std::vector<Record>& recs = round_.recs;
+  std::vector<Request*>& offered = round_.offered;
+  recs.clear();
+  offered.clear();
   {
     std::lock_guard<std::mutex> lk(mu_);
     // A round that starts while an explicit fusion group is half submitted leaves its held part
@@ -355,15 +406,16 @@ bool Engine::run_round() {
   // if only none): the requests stay queued, this thread alone takes them off the queue.
   // The offered bucket is kept for run_eager: the batch starts with the same requests.
   const size_t offer = eager_prefix(offered);
-  Bucket eager_bucket;
-  AllreduceJob eager_run{};
+  Bucket& eager_bucket = round_.eager_bucket;
+  AllreduceJob& eager_run = round_.eager_run;
   if (offer > 0) {
-    eager_run = eager_job(offered, offer, eager_bucket);
+    eager_job(offered, offer, eager_bucket, eager_run);
     comm_->eager_offer(&eager_run, static_cast<uint32_t>(offer));
   } else if (comm_->eager_capacity() > 0) {
     comm_->eager_offer(nullptr, 0);
   }
-  auto all = comm_->exchange_records(recs);
+  std::vector<std::vector<Record>>& all = round_.all;
+  comm_->exchange_records(recs, all);
   ++rounds_run_;
   const int n = static_cast<int>(all.size());
   // join: a rank whose next request is a join has no more data; it stands in for its peers'
@@ -371,7 +423,8 @@ bool Engine::run_round() {
   auto joined = [&](int j) {
     return !all[j].empty() && static_cast<CollectiveKind>(all[j][0].kind) == CollectiveKind::kJoin;
   };
-  std::vector<int> active;
+  std::vector<int>& active = round_.active;
+  active.clear();
   for (int j = 0; j < n; ++j) {
     if (joined(j)) {
       if (joined_at_.size() != all.size()) joined_at_.assign(all.size(), 0);
@@ -467,7 +520,8 @@ bool Engine::run_round() {
   if (agreed == 0) return false;
   const bool me_joined = joined(comm_->rank()) && !active.empty();
   std::vector<std::unique_ptr<Request>> stand;
-  std::vector<Request*> batch;
+  std::vector<Request*>& batch = round_.batch;
+  batch.clear();
   if (me_joined) {
     stand = stand_ins(all[active[0]], agreed);
     for (auto& r : stand) batch.push_back(r.get());
@@ -475,7 +529,7 @@ bool Engine::run_round() {
     std::lock_guard<std::mutex> lk(mu_);
     for (size_t i = 0; i < agreed; ++i) {
       Request* r = queue_.front().get();
-      active_[r->id] = std::move(queue_.front());
+      make_active_locked(std::move(queue_.front()));
       queue_.pop_front();
       batch.push_back(r);
       if (tl) r->t_agreed = timeline_.now();

@@ -175,7 +175,8 @@ class Engine {
   // The one-exchange path: how many of `offered` (this round's requests, in order) form one small
   // allreduce bucket that can travel with the records, and that bucket's job (dispatch.cc).
   size_t eager_prefix(const std::vector<Request*>& offered) const;
-  AllreduceJob eager_job(const std::vector<Request*>& reqs, size_t n, Bucket& bucket) const;
+  // (into `bucket` and `job`, whose storage is reused)
+  void eager_job(const std::vector<Request*>& reqs, size_t n, Bucket& bucket, AllreduceJob& job) const;
   // Runs the first n requests of `batch` from the data that came with the records and finishes them;
   // `b` and `job` are the offered bucket's (its requests are the batch's first ones), cut to those n.
   void run_eager(const std::vector<Request*>& batch, size_t n, Bucket& b, AllreduceJob& job);
@@ -184,14 +185,40 @@ class Engine {
   // join.cc: a joined rank's stand-ins for the allreduces its peers still run.
   std::vector<std::unique_ptr<Request>> stand_ins(const std::vector<Record>& recs, size_t n);
 
+  // Recycled storage (under mu_): the map entries and Request objects of requests that are gone
+  // serve the next ones, so a small synchronous allreduce allocates nothing in the engine
+  // (docs/architecture.md, "Small allreduces"). Bounded: a burst of requests frees the excess.
+  using StatusMap = std::unordered_map<uint64_t, Status>;
+  using ActiveMap = std::unordered_map<uint64_t, std::unique_ptr<Request>>;
+  std::unique_ptr<Request> new_request_locked(Request&& req);
+  void new_status_locked(uint64_t id);
+  void make_active_locked(std::unique_ptr<Request> r);
+  // Forgets request `id` (its status and, when agreed, its Request), keeping the storage.
+  void forget_locked(StatusMap::iterator it);
+  static constexpr size_t kSpares = 64;
+  std::vector<StatusMap::node_type> spare_status_;
+  std::vector<ActiveMap::node_type> spare_active_;   // entries whose Request moved to spare_requests_
+  std::vector<std::unique_ptr<Request>> spare_requests_;
+  // One round's working storage, kept between rounds (only the thread driving a round uses it).
+  struct RoundScratch {
+    std::vector<Record> recs;
+    std::vector<Request*> offered;
+    std::vector<std::vector<Record>> all;
+    std::vector<int> active;
+    std::vector<Request*> batch;
+    Bucket eager_bucket{};
+    AllreduceJob eager_run{};
+  };
+  RoundScratch round_;
+
   std::unique_ptr<Collectives> comm_;
   EngineConfig cfg_;
   Timeline timeline_;
   mutable std::mutex mu_;
   std::condition_variable work_cv_, done_cv_;
   std::deque<std::unique_ptr<Request>> queue_;                   // submitted, not yet agreed
-  std::unordered_map<uint64_t, std::unique_ptr<Request>> active_;  // agreed or finished, not yet waited
-  std::unordered_map<uint64_t, Status> status_;
+  ActiveMap active_;  // agreed or finished, not yet waited
+  StatusMap status_;
   std::vector<uint64_t> finished_;
   uint64_t next_id_ = 1;
   uint64_t executed_ = 0;

@@ -3,11 +3,10 @@
 #include "engine/request_builder.h"
 
 #include <stdexcept>
-#include <utility>
 
 namespace fastxfer {
 
-Request build_request(RequestSpec spec, const Engine& eng) {
+Request build_request(const RequestSpec& spec, const Engine& eng) {
   Request r;
   r.kind = spec.kind;
   r.dtype = spec.dtype;
@@ -31,7 +30,7 @@ Request build_request(RequestSpec spec, const Engine& eng) {
   if (numel > 0 && (r.kind == CollectiveKind::kAllreduce || r.kind == CollectiveKind::kBroadcast) &&
       r.out == nullptr)
     throw std::invalid_argument("null output buffer");
-  r.splits = std::move(spec.splits);
+  r.splits = spec.splits;
   // Average = the sum times 1/size, folded into the postscale that unpacking applies anyway.
   if (r.op == ReduceOp::kAverage) r.postscale /= static_cast<double>(eng.size());
   r.rec = make_record(r.kind, spec.name, r.dtype, spec.shape, r.op, r.compression, r.root, r.prescale, r.postscale);

@@ -36,6 +36,7 @@ struct RequestSpec {
 // when the request is made, for every entry alike: a TensorFlow graph traced before an elastic job
 // changed size, or a process set's engine, divides by the size of the engine that runs it.
 // Throws std::invalid_argument for a spec that would make the engine touch memory it was not given.
-Request build_request(RequestSpec spec, const Engine& eng);
+// (`spec` is only read: a caller may keep one and refill it for each call, reusing its storage.)
+Request build_request(const RequestSpec& spec, const Engine& eng);
 
 }  // namespace fastxfer
