@@ -22,6 +22,9 @@ namespace {
 // The packed size of the bucket's first elements up to `numel`, in wire bytes.
 size_t wire_bytes(const Bucket& b, size_t numel) { return numel * dtype_size(b.wire_dtype); }
 
+// From this many packed bytes the offer is written with non-temporal stores (pack_for_peers).
+constexpr size_t kEagerStreamBytes = 4096;
+
 // Room for one pointer per rank's slot, kept by the thread (a round allocates nothing).
 std::vector<const void*>& slot_pointers(int n) {
   thread_local std::vector<const void*> srcs;
@@ -38,7 +41,11 @@ void shm_eager_offer(ShmContext& c, const AllreduceJob* job, uint32_t count) {
     const Bucket& b = *job->bucket;
     if (wire_bytes(b, b.numel) > kEagerSlotBytes) throw std::logic_error("eager bucket larger than its slot");
     const auto t0 = std::chrono::steady_clock::now();
-    pack(b, job->srcs, seg.eager_slot(seg.rank(), buf), job->prescale, 1);
+    if (job->prescale == 1.0 && b.dtype == b.wire_dtype && b.dtype != DType::kBool &&
+        wire_bytes(b, b.numel) >= kEagerStreamBytes)
+      pack_for_peers(b, job->srcs, seg.eager_slot(seg.rank(), buf));
+    else
+      pack(b, job->srcs, seg.eager_slot(seg.rank(), buf), job->prescale, 1);
     c.stats.pack += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
   *seg.eager_count(seg.rank(), buf) = count;
@@ -70,7 +77,10 @@ void shm_eager_allreduce(ShmContext& c, const AllreduceJob& job) {
   for (int j = 0; j < seg.size(); ++j) srcs[j] = seg.eager_slot(j, buf);
   const auto t0 = std::chrono::steady_clock::now();
   if (b.tensors.size() == 1 && b.wire_dtype == b.dtype) {
-    // one uncompressed tensor: reduce straight into it
+    // One uncompressed tensor: reduce straight into it. This rank's part is read from its input,
+    // not its slot, when the two hold the same bits (no prescale): the peers are reading the slot
+    // at this moment, and sharing those lines with them was measured to cost more than the read.
+    if (job.prescale == 1.0) srcs[seg.rank()] = job.srcs[0];
     reduce_block(job.op, b.wire_dtype, srcs.data(), seg.size(), job.outs[0], b.numel, job.postscale);
     c.stats.reduce += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   } else {

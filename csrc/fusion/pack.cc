@@ -4,9 +4,14 @@
 #include "fusion/pack.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <stdexcept>
 #include <string>
+
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 
 #include "common/parallel.h"
 #include "kernels/compress.h"
@@ -136,6 +141,44 @@ std::vector<Segment> segments(const Bucket& bucket, size_t lo, size_t hi) {
 
 void pack(const Bucket& bucket, const std::vector<const void*>& srcs, void* dst, double scale, int threads) {
   pack_range(bucket, srcs, dst, 0, bucket.numel, scale, threads);
+}
+
+namespace {
+
+// dst[0, n) = src[0, n) with 16-byte non-temporal stores (SSE2: every x86-64 has them) wherever dst
+// is 16-byte aligned; the unaligned head and the tail as usual.
+void copy_non_temporal(char* dst, const char* src, size_t n) {
+#if defined(__x86_64__)
+  size_t head = (16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16;
+  if (head > n) head = n;
+  std::memcpy(dst, src, head);
+  size_t i = head;
+  for (; i + 16 <= n; i += 16)
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+  std::memcpy(dst + i, src + i, n - i);
+#else
+  std::memcpy(dst, src, n);
+#endif
+}
+
+}  // namespace
+
+void pack_for_peers(const Bucket& bucket, const std::vector<const void*>& srcs, void* dst) {
+  check_count(bucket, srcs.size(), "pack");
+  if (bucket.dtype != bucket.wire_dtype || bucket.dtype == DType::kBool)
+    throw std::invalid_argument("pack_for_peers takes an uncompressed bucket of a numeric dtype");
+  const size_t es = dtype_size(bucket.dtype);
+  char* out = static_cast<char*>(dst);
+  size_t pos = 0;  // packed elements written so far
+  for (size_t j = 0; j < bucket.offsets.size(); ++j) {
+    if (bucket.offsets[j] > pos) std::memset(out + pos * es, 0, (bucket.offsets[j] - pos) * es);
+    copy_non_temporal(out + bucket.offsets[j] * es, static_cast<const char*>(srcs[j]), bucket.numels[j] * es);
+    pos = bucket.offsets[j] + bucket.numels[j];
+  }
+  if (bucket.numel > pos) std::memset(out + pos * es, 0, (bucket.numel - pos) * es);
+#if defined(__x86_64__)
+  _mm_sfence();  // non-temporal stores are not ordered by the release that publishes them
+#endif
 }
 
 void unpack(const Bucket& bucket, const void* src, const std::vector<void*>& dsts, double scale, int threads) {

@@ -14,6 +14,13 @@ namespace fastxfer {
 // Padding is written as zeros.
 void pack(const Bucket& bucket, const std::vector<const void*>& srcs, void* dst, double scale, int threads);
 
+// pack(bucket, srcs, dst, 1.0, 1) for a bucket whose packed form is its data as is (no compression,
+// every dtype but bool), written with non-temporal stores and fenced before it returns: for a
+// destination that another core reads next and this one does not (the one-exchange path's slot,
+// collectives/shm_eager.cc). Regular stores would first take each line back from the reader's
+// cache, which had it from two rounds ago (measured: docs/algorithms.md, "Small allreduces").
+void pack_for_peers(const Bucket& bucket, const std::vector<const void*>& srcs, void* dst);
+
 // The inverse: dsts[j] receives bucket.numels[j] elements of bucket.dtype, multiplied by `scale`
 // (e.g. 1/size to turn a sum into an average).
 void unpack(const Bucket& bucket, const void* src, const std::vector<void*>& dsts, double scale, int threads);

@@ -220,6 +220,13 @@ def collectives():
     x = np.full(1000, r + 1.0, np.float32)
     y = fx.allreduce(x, op="sum", out=x)
     assert y is x and np.all(x == n_ranks * (n_ranks + 1) / 2)
+    # in place from 4 KiB, where the one-exchange path writes its slot with non-temporal stores and
+    # reads this rank's part from the input it is overwriting: every element exact
+    for n in (1024, 4099, 8192):
+        x = (np.arange(n, dtype=np.float32) % 97) * (r + 1)
+        y = fx.allreduce(x, op="sum", out=x)
+        want = (np.arange(n, dtype=np.float32) % 97) * np.float32(n_ranks * (n_ranks + 1) / 2)
+        assert y is x and np.array_equal(x, want), (n, x[:4], want[:4])
     # a bad out= on the last rank alone is refused there with check.out_like's error, before the call
     # takes an automatic name: the next allreduce of every rank still lines up (same names) and is exact
     if r == n_ranks - 1:
