@@ -169,13 +169,12 @@ void pack_for_peers(const Bucket& bucket, const std::vector<const void*>& srcs, 
     throw std::invalid_argument("pack_for_peers takes an uncompressed bucket of a numeric dtype");
   const size_t es = dtype_size(bucket.dtype);
   char* out = static_cast<char*>(dst);
-  size_t pos = 0;  // packed elements written so far
-  for (size_t j = 0; j < bucket.offsets.size(); ++j) {
-    if (bucket.offsets[j] > pos) std::memset(out + pos * es, 0, (bucket.offsets[j] - pos) * es);
-    copy_non_temporal(out + bucket.offsets[j] * es, static_cast<const char*>(srcs[j]), bucket.numels[j] * es);
-    pos = bucket.offsets[j] + bucket.numels[j];
-  }
-  if (bucket.numel > pos) std::memset(out + pos * es, 0, (bucket.numel - pos) * es);
+  walk(
+      bucket, 0, bucket.numel,
+      [&](size_t j, size_t b, size_t e, size_t p) {
+        copy_non_temporal(out + p * es, static_cast<const char*>(srcs[j]) + b * es, (e - b) * es);
+      },
+      [&](size_t p0, size_t p1) { std::memset(out + p0 * es, 0, (p1 - p0) * es); });
 #if defined(__x86_64__)
   _mm_sfence();  // non-temporal stores are not ordered by the release that publishes them
 #endif

@@ -125,6 +125,15 @@ static void test_pack_ranges_roundtrip() {
       lo = hi;
     }
     CHECK(whole == pieces, "pack_range pieces == pack (compression %d)", static_cast<int>(c));
+    if (c == Compression::kNone) {
+      // the non-temporal pack: the same bytes, padding zeros included, into a misaligned buffer too
+      for (size_t shift : {size_t(0), size_t(4), size_t(12)}) {
+        std::vector<char> raw(b.nbytes() + 128, 0x55);
+        char* dst = raw.data() + (64 - reinterpret_cast<uintptr_t>(raw.data()) % 64) % 64;
+        pack_for_peers(b, srcs, dst + shift);
+        CHECK(std::memcmp(dst + shift, whole.data(), b.nbytes()) == 0, "pack_for_peers == pack (shift %zu)", shift);
+      }
+    }
     std::vector<std::vector<float>> outs(ts.size());
     std::vector<void*> dsts;
     for (int t : b.tensors) {
