@@ -84,11 +84,13 @@ void run_sync(Engine& eng, Request req) {
   eng.release(id);
 }
 
-// What _validate.out_like accepts as the output of a collective on `input` (an ndarray):
-// an ndarray of the same dtype and shape, C-contiguous and writable, that either starts where the
-// input starts or shares none of its bytes (np.may_share_memory's bounds check).
+// Whether `input` is a C-contiguous ndarray (what _validate.array returns) and `output` what
+// _validate.out_like accepts for it: an ndarray of the same dtype and shape, C-contiguous and
+// writable, that either starts where the input starts or shares none of its bytes
+// (np.may_share_memory's bounds check).
 bool out_fits(py::handle input, py::handle output) {
-  if (!py::isinstance<py::array>(output)) return false;
+  if (!py::isinstance<py::array>(input) || !py::isinstance<py::array>(output)) return false;
+  if (!(py::reinterpret_borrow<py::array>(input).flags() & py::array::c_style)) return false;
   auto in = py::reinterpret_borrow<py::array>(input);
   auto out = py::reinterpret_borrow<py::array>(output);
   if (out.ndim() != in.ndim() || !out.dtype().equal(in.dtype())) return false;
@@ -234,9 +236,9 @@ void bind_engine(py::module_& m) {
           },
           py::arg("counter"), py::arg("prefix"), py::arg("input"), py::arg("output"), py::arg("op"),
           py::arg("compression"), py::arg("prescale"), py::arg("postscale"), py::arg("bucket_cap"),
-          "run('allreduce', prefix + next(counter), ...) for a checked input, when `output` has its dtype and "
-          "shape, is C-contiguous, writable and does not overlap it without being it; False (nothing run, the "
-          "counter untouched) otherwise.")
+          "run('allreduce', prefix + next(counter), ...) when `input` is a C-contiguous ndarray and `output` has "
+          "its dtype and shape, is C-contiguous, writable and does not overlap it without being it; False "
+          "(nothing run, the counter untouched) otherwise.")
       .def("wait", &Engine::wait, py::arg("id"), py::call_guard<py::gil_scoped_release>())
       .def("done", &Engine::done, py::arg("id"))
       .def("release", &Engine::release, py::arg("id"))

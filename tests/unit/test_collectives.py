@@ -52,6 +52,51 @@ def test_out_that_overlaps_the_input_is_refused_and_in_place_is_exact(single):
     assert fx.allreduce(x, op="sum", out=x) is x and np.array_equal(x, np.arange(1 << 16, dtype=np.float32))
 
 
+def test_default_allreduce_shortcut_checks_what_the_long_way_checks(single):
+    """fx.allreduce with every default but array/out skips the Python checks after the first call of
+    a dtype (collectives._default_calls): what it refuses must still be refused, or taken the long
+    way, with the same names and results."""
+    from fastxfer.comm import collectives
+    x = np.arange(1 << 12, dtype=np.float32)
+    assert np.array_equal(fx.allreduce(x), x)
+    known = collectives._default_calls
+    assert known is not None and np.dtype(np.float32) in known[2]
+    # the shortcut now takes these (the long way's first check is made to fail, to show it is not
+    # reached); each result is exact
+    out = np.empty_like(x)
+    long_way = collectives.check.array
+    collectives.check.array = None
+    try:
+        assert fx.allreduce(x, out=out) is out and np.array_equal(out, x)
+        assert fx.allreduce(x, out=x) is x and np.array_equal(x, np.arange(1 << 12, dtype=np.float32))
+    finally:
+        collectives.check.array = long_way
+    # a strided input (the long way makes it contiguous), a list, another dtype: right results
+    y = np.arange(20, dtype=np.float32)[::2]
+    assert np.array_equal(fx.allreduce(y), y)
+    assert fx.allreduce([1.0, 2.0]).tolist() == [1.0, 2.0]
+    assert fx.allreduce(np.arange(5, dtype=np.int64)).tolist() == [0, 1, 2, 3, 4]
+    # refused as before, with the long way's messages, and nothing written
+    buf = np.arange(1 << 16, dtype=np.float32)
+    with pytest.raises(ValueError, match="out overlaps the input array without being it"):
+        fx.allreduce(buf[:-1000], out=buf[1000:])
+    assert np.array_equal(buf, np.arange(1 << 16, dtype=np.float32))
+    with pytest.raises(ValueError, match=r"out must be float32\[4096\], not float64\[4096\]"):
+        fx.allreduce(x, out=np.empty(x.shape, np.float64))
+    with pytest.raises(TypeError, match="dtype complex64"):
+        fx.allreduce(np.ones(3, np.complex64))
+    with pytest.raises(TypeError, match="op='average' needs a numeric dtype"):
+        fx.allreduce(np.ones(3, bool))
+    # every call above that ran took the next automatic name, the shortcut's like the others'
+    assert next(collectives._counter("allreduce")) == 6
+    # a new engine: the shortcut forgets the old one and is made again by the next call
+    fx.shutdown()
+    assert collectives._default_calls is None
+    fx.init()
+    assert np.array_equal(fx.allreduce(x), x)
+    assert collectives._default_calls[0] is not known[0]
+
+
 def test_bad_arguments(single):
     with pytest.raises(TypeError, match="dtype complex64"):
         fx.allreduce(np.ones(3, np.complex64))

@@ -193,10 +193,36 @@ def run(opts: options.CollectiveOptions, wire: str, arr: np.ndarray, out: np.nda
     return out
 
 
-def allreduce(array, op: str = "average", compression: str = "none", name: str | None = None,
-              prescale: float = 1.0, postscale: float = 1.0, out: np.ndarray | None = None,
+# allreduce's defaults, as objects: a call that leaves them alone passes these very objects, which
+# the shortcut below recognises by identity (a caller's own "average" or 1.0 takes the long way).
+_AVERAGE, _NO_COMPRESSION, _ONE = "average", "none", 1.0
+# The shortcut's state for the running engine: (engine, name counter, {dtype: the checked plan's
+# engine arguments}), for calls with every default but `array` and `out` (docs/architecture.md,
+# "Small allreduces"). Made by the first such call of each dtype; dropped at shutdown.
+_default_calls: tuple | None = None
+
+
+@group.on_shutdown
+def _forget_default_calls() -> None:
+    global _default_calls
+    _default_calls = None
+
+
+def allreduce(array, op: str = _AVERAGE, compression: str = _NO_COMPRESSION, name: str | None = None,
+              prescale: float = _ONE, postscale: float = _ONE, out: np.ndarray | None = None,
               bucket_cap_mb: float | None = None, process_set=None) -> np.ndarray:
     """Reduce ``array`` across all ranks and return the result (see allreduce_async)."""
+    default = (op is _AVERAGE and compression is _NO_COMPRESSION and name is None and prescale is _ONE
+               and postscale is _ONE and bucket_cap_mb is None and process_set is None)
+    known = _default_calls
+    if default and known is not None and known[0] is group._engine and type(array) is np.ndarray:
+        # The shortcut: a dtype this engine has checked before, in one native call that refuses
+        # (False, nothing run, no name taken) anything but a C-contiguous input and a fitting `out`.
+        args = known[2].get(array.dtype)
+        if args is not None:
+            result = _fresh_like(array) if out is None else out
+            if known[0].allreduce_into(known[1], "allreduce.", array, result, *args):
+                return result
     a = check.array(array)
     opts, wire = _allreduce_plan(op, compression, prescale, postscale, bucket_cap_mb, process_set, name, a.dtype)
     if opts.process_set is not None or opts.name is not None:
@@ -205,11 +231,22 @@ def allreduce(array, op: str = "average", compression: str = "none", name: str |
     # few KiB): the engine checks `out` as check.out_like would and takes the automatic name.
     if out is None:
         out = _fresh_like(a)
-    if not group.engine().allreduce_into(_counter("allreduce"), "allreduce.", a, out, opts.op, wire, opts.prescale,
-                                         opts.postscale, opts.bucket_cap):
+    eng, counter = group.engine(), _counter("allreduce")
+    args = (opts.op, wire, opts.prescale, opts.postscale, opts.bucket_cap)
+    if not eng.allreduce_into(counter, "allreduce.", a, out, *args):
         check.out_like(out, a)  # raises, naming what is wrong with it
         raise AssertionError(f"the engine refused out={out!r} that check.out_like accepts")
+    if default:
+        _remember_default_call(eng, counter, a.dtype, args)
     return out
+
+
+def _remember_default_call(eng, counter, dtype, args) -> None:
+    global _default_calls
+    known = _default_calls
+    if known is None or known[0] is not eng or known[1] is not counter:
+        known = _default_calls = (eng, counter, {})
+    known[2][dtype] = args
 
 
 def oob_allreduce(array, op: str = "average", name: str | None = None, process_set=None) -> np.ndarray:
