@@ -32,12 +32,14 @@ def fork():
     fx.init()
     x = np.full(1000, RANK + 1.0, np.float32)
     fx.allreduce(x, op="sum", name="before")
+    fx.allreduce(x)  # twice with the defaults: the second call takes the shortcut (collectives._default_calls)
+    fx.allreduce(x)
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(r)
         msgs = []
-        for call in (lambda: fx.allreduce(x, op="sum", name="child"), fx.barrier, fx.init,
+        for call in (lambda: fx.allreduce(x, op="sum", name="child"), lambda: fx.allreduce(x), fx.barrier, fx.init,
                      lambda: fx.oob_allreduce(x[:4])):
             try:
                 call()

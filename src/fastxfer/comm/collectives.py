@@ -9,6 +9,7 @@ Every collective takes ``process_set=``: None (every rank) or a registered Proce
 from __future__ import annotations
 
 import itertools
+import os
 import pickle
 import threading
 from dataclasses import replace
@@ -198,7 +199,8 @@ def run(opts: options.CollectiveOptions, wire: str, arr: np.ndarray, out: np.nda
 _AVERAGE, _NO_COMPRESSION, _ONE = "average", "none", 1.0
 # The shortcut's state for the running engine: (engine, name counter, {dtype: the checked plan's
 # engine arguments}), for calls with every default but `array` and `out` (docs/architecture.md,
-# "Small allreduces"). Made by the first such call of each dtype; dropped at shutdown.
+# "Small allreduces"). Made by the first such call of each dtype; dropped whenever the group drops
+# its engine (shutdown, a leave) and in a forked child, which takes the long way to its error.
 _default_calls: tuple | None = None
 
 
@@ -208,6 +210,10 @@ def _forget_default_calls() -> None:
     _default_calls = None
 
 
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_default_calls)
+
+
 def allreduce(array, op: str = _AVERAGE, compression: str = _NO_COMPRESSION, name: str | None = None,
               prescale: float = _ONE, postscale: float = _ONE, out: np.ndarray | None = None,
               bucket_cap_mb: float | None = None, process_set=None) -> np.ndarray:
@@ -215,7 +221,7 @@ def allreduce(array, op: str = _AVERAGE, compression: str = _NO_COMPRESSION, nam
     default = (op is _AVERAGE and compression is _NO_COMPRESSION and name is None and prescale is _ONE
                and postscale is _ONE and bucket_cap_mb is None and process_set is None)
     known = _default_calls
-    if default and known is not None and known[0] is group._engine and type(array) is np.ndarray:
+    if default and known is not None and type(array) is np.ndarray:
         # The shortcut: a dtype this engine has checked before, in one native call that refuses
         # (False, nothing run, no name taken) anything but a C-contiguous input and a fitting `out`.
         args = known[2].get(array.dtype)

@@ -1,0 +1,27 @@
+"""The 2-rank synchronous allreduce loop behind the alternated-build comparisons in
+bench/RESULTS.md (sixteenth session): ``fastxfer run -np 2 python small_loop.py`` with NBYTES
+(default 4096) and N (calls per timing, default 4000); rank 0 prints the median of 5 timings.
+Point PYTHONPATH at another build (``pip install --target DIR .``) to compare builds."""
+import os
+import time
+
+import numpy as np
+
+import fastxfer as fx
+
+fx.init()
+n = int(os.environ.get("NBYTES", 4096)) // 4
+N = int(os.environ.get("N", 4000))
+x = np.ones(n, np.float32)
+out = np.empty_like(x)
+for _ in range(2000):
+    fx.allreduce(x, out=out)
+res = []
+for _ in range(5):
+    t = time.perf_counter()
+    for _ in range(N):
+        fx.allreduce(x, out=out)
+    res.append((time.perf_counter() - t) / N * 1e6)
+if fx.rank() == 0:
+    print(f"size {fx.size()} {n * 4} B: p50 {sorted(res)[2]:.2f} us  all {[round(r, 2) for r in res]}", flush=True)
+fx.shutdown()
