@@ -52,15 +52,17 @@ def test_out_that_overlaps_the_input_is_refused_and_in_place_is_exact(single):
     assert fx.allreduce(x, op="sum", out=x) is x and np.array_equal(x, np.arange(1 << 16, dtype=np.float32))
 
 
-def test_default_allreduce_shortcut_checks_what_the_long_way_checks(single):
-    """fx.allreduce with every default but array/out skips the Python checks after the first call of
-    a dtype (collectives._default_calls): what it refuses must still be refused, or taken the long
-    way, with the same names and results."""
+def test_plain_allreduce_shortcut_checks_what_the_long_way_checks(single):
+    """fx.allreduce given at most op and compression besides array/out skips the Python checks after
+    the first such call (collectives._plain_calls): what it refuses must still be refused, or taken
+    the long way, with the same names and results."""
     from fastxfer.comm import collectives
     x = np.arange(1 << 12, dtype=np.float32)
     assert np.array_equal(fx.allreduce(x), x)
-    known = collectives._default_calls
-    assert known is not None and np.dtype(np.float32) in known[2]
+    assert np.array_equal(fx.allreduce(x, op="sum"), x)
+    known = collectives._plain_calls
+    assert known is not None and ("average", "none", np.dtype(np.float32)) in known[2]
+    assert ("sum", "none", np.dtype(np.float32)) in known[2]
     # the shortcut now takes these (the long way's first check is made to fail, to show it is not
     # reached); each result is exact
     out = np.empty_like(x)
@@ -69,6 +71,7 @@ def test_default_allreduce_shortcut_checks_what_the_long_way_checks(single):
     try:
         assert fx.allreduce(x, out=out) is out and np.array_equal(out, x)
         assert fx.allreduce(x, out=x) is x and np.array_equal(x, np.arange(1 << 12, dtype=np.float32))
+        assert fx.allreduce(x, op="sum", out=out) is out and np.array_equal(out, x)
     finally:
         collectives.check.array = long_way
     # a strided input (the long way makes it contiguous), a list, another dtype: right results
@@ -87,14 +90,20 @@ def test_default_allreduce_shortcut_checks_what_the_long_way_checks(single):
         fx.allreduce(np.ones(3, np.complex64))
     with pytest.raises(TypeError, match="op='average' needs a numeric dtype"):
         fx.allreduce(np.ones(3, bool))
+    with pytest.raises(ValueError, match="applies to float32 arrays; this one is float64"):
+        fx.allreduce(np.ones(3), compression="bf16")
+    with pytest.raises(ValueError, match="op must be"):
+        fx.allreduce(x, op="nonsense")
+    # a prescale of 2 (not the default object) is applied, never taken for the cached plain call
+    assert np.array_equal(fx.allreduce(x, op="sum", prescale=2.0), 2 * x)
     # every call above that ran took the next automatic name, the shortcut's like the others'
-    assert next(collectives._counter("allreduce")) == 6
+    assert next(collectives._counter("allreduce")) == 9
     # a new engine: the shortcut forgets the old one and is made again by the next call
     fx.shutdown()
-    assert collectives._default_calls is None
+    assert collectives._plain_calls is None
     fx.init()
     assert np.array_equal(fx.allreduce(x), x)
-    assert collectives._default_calls[0] is not known[0]
+    assert collectives._plain_calls[0] is not known[0]
 
 
 def test_bad_arguments(single):

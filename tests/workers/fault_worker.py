@@ -32,7 +32,7 @@ def fork():
     fx.init()
     x = np.full(1000, RANK + 1.0, np.float32)
     fx.allreduce(x, op="sum", name="before")
-    fx.allreduce(x)  # twice with the defaults: the second call takes the shortcut (collectives._default_calls)
+    fx.allreduce(x)  # twice with the defaults: the second call takes the shortcut (collectives._plain_calls)
     fx.allreduce(x)
     r, w = os.pipe()
     pid = os.fork()

@@ -194,37 +194,38 @@ def run(opts: options.CollectiveOptions, wire: str, arr: np.ndarray, out: np.nda
     return out
 
 
-# allreduce's defaults, as objects: a call that leaves them alone passes these very objects, which
-# the shortcut below recognises by identity (a caller's own "average" or 1.0 takes the long way).
-_AVERAGE, _NO_COMPRESSION, _ONE = "average", "none", 1.0
-# The shortcut's state for the running engine: (engine, name counter, {dtype: the checked plan's
-# engine arguments}), for calls with every default but `array` and `out` (docs/architecture.md,
-# "Small allreduces"). Made by the first such call of each dtype; dropped whenever the group drops
-# its engine (shutdown, a leave) and in a forked child, which takes the long way to its error.
-_default_calls: tuple | None = None
+# allreduce's scale defaults, as objects: a call that leaves them alone passes these very objects,
+# which the shortcut below recognises by identity (a caller's own 1.0 takes the long way).
+_ONE = 1.0
+# The shortcut's state for the running engine: (engine, name counter, {(op, compression, dtype):
+# the checked plan's engine arguments}), for calls that give at most `op` and `compression` (as
+# strings) besides `array` and `out` (docs/architecture.md, "Small allreduces"). Made by the first
+# such call of each kind; dropped whenever the group drops its engine (shutdown, a leave) and in a
+# forked child, which takes the long way to its error.
+_plain_calls: tuple | None = None
 
 
 @group.on_shutdown
-def _forget_default_calls() -> None:
-    global _default_calls
-    _default_calls = None
+def _forget_plain_calls() -> None:
+    global _plain_calls
+    _plain_calls = None
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_default_calls)
+    os.register_at_fork(after_in_child=_forget_plain_calls)
 
 
-def allreduce(array, op: str = _AVERAGE, compression: str = _NO_COMPRESSION, name: str | None = None,
+def allreduce(array, op: str = "average", compression: str = "none", name: str | None = None,
               prescale: float = _ONE, postscale: float = _ONE, out: np.ndarray | None = None,
               bucket_cap_mb: float | None = None, process_set=None) -> np.ndarray:
     """Reduce ``array`` across all ranks and return the result (see allreduce_async)."""
-    default = (op is _AVERAGE and compression is _NO_COMPRESSION and name is None and prescale is _ONE
-               and postscale is _ONE and bucket_cap_mb is None and process_set is None)
-    known = _default_calls
-    if default and known is not None and type(array) is np.ndarray:
-        # The shortcut: a dtype this engine has checked before, in one native call that refuses
+    plain = (name is None and prescale is _ONE and postscale is _ONE and bucket_cap_mb is None and process_set is None
+             and type(op) is str and type(compression) is str)
+    known = _plain_calls
+    if plain and known is not None and type(array) is np.ndarray:
+        # The shortcut: a call this engine has checked before, in one native call that refuses
         # (False, nothing run, no name taken) anything but a C-contiguous input and a fitting `out`.
-        args = known[2].get(array.dtype)
+        args = known[2].get((op, compression, array.dtype))
         if args is not None:
             result = _fresh_like(array) if out is None else out
             if known[0].allreduce_into(known[1], "allreduce.", array, result, *args):
@@ -242,17 +243,18 @@ def allreduce(array, op: str = _AVERAGE, compression: str = _NO_COMPRESSION, nam
     if not eng.allreduce_into(counter, "allreduce.", a, out, *args):
         check.out_like(out, a)  # raises, naming what is wrong with it
         raise AssertionError(f"the engine refused out={out!r} that check.out_like accepts")
-    if default:
-        _remember_default_call(eng, counter, a.dtype, args)
+    if plain:
+        _remember_plain_call(eng, counter, (op, compression, a.dtype), args)
     return out
 
 
-def _remember_default_call(eng, counter, dtype, args) -> None:
-    global _default_calls
-    known = _default_calls
+def _remember_plain_call(eng, counter, key, args) -> None:
+    global _plain_calls
+    known = _plain_calls
     if known is None or known[0] is not eng or known[1] is not counter:
-        known = _default_calls = (eng, counter, {})
-    known[2][dtype] = args
+        known = _plain_calls = (eng, counter, {})
+    if len(known[2]) < _PLANS_MAX:
+        known[2][key] = args
 
 
 def oob_allreduce(array, op: str = "average", name: str | None = None, process_set=None) -> np.ndarray:
