@@ -29,16 +29,16 @@ CollectiveKind kind_from_name(const std::string& k) {
 }
 
 // The spec of a numpy call, into `q` (refilled: its name and shape keep their storage).
-void spec_from_py(RequestSpec& q, CollectiveKind kind, py::handle input, py::handle output, const std::string& op,
-                  const std::string& compression, int root, double prescale, double postscale, int64_t bucket_cap) {
+void spec_from_py(RequestSpec& q, CollectiveKind kind, py::handle input, py::handle output, ReduceOp op,
+                  Compression compression, int root, double prescale, double postscale, int64_t bucket_cap) {
   q.kind = kind;
   q.dtype = DType::kFloat32;
   q.has_data = false;
   q.shape.clear();
   q.in = nullptr;
   q.out = nullptr;
-  q.op = op_from_name(op);
-  q.compression = compression_from_name(compression);
+  q.op = op;
+  q.compression = compression;
   q.root = root;
   q.prescale = prescale;
   q.postscale = postscale;
@@ -63,7 +63,8 @@ Request request_from_py(Engine& eng, const std::string& kind, const std::string&
                         py::object output, const std::string& op, const std::string& compression, int root,
                         double prescale, double postscale, int64_t bucket_cap, std::vector<int64_t> splits) {
   RequestSpec q;
-  spec_from_py(q, kind_from_name(kind), input, output, op, compression, root, prescale, postscale, bucket_cap);
+  spec_from_py(q, kind_from_name(kind), input, output, op_from_name(op), compression_from_name(compression), root,
+               prescale, postscale, bucket_cap);
   q.name = name;
   q.splits = std::move(splits);
   return build_request(q, eng);
@@ -102,6 +103,39 @@ bool out_fits(py::handle input, py::handle output) {
   const py::ssize_t bytes = in.nbytes();
   return bytes == 0 || a == b || b + bytes <= a || a + bytes <= b;
 }
+
+// The plain allreduce (every rank, automatic name): False, with nothing run and the counter
+// untouched, unless out_fits(input, output); otherwise the name is `prefix` + next(counter), then
+// as run().
+bool allreduce_plain(Engine& eng, py::handle counter, const std::string& prefix, py::handle input, py::handle output,
+                     ReduceOp op, Compression compression, double prescale, double postscale, int64_t bucket_cap) {
+  if (!out_fits(input, output)) return false;
+  // One spec per thread, refilled for each call: the name and shape reuse its storage.
+  thread_local RequestSpec spec;
+  spec_from_py(spec, CollectiveKind::kAllreduce, input, output, op, compression, 0, prescale, postscale, bucket_cap);
+  py::object n = py::reinterpret_steal<py::object>(PyIter_Next(counter.ptr()));
+  if (!n) {
+    if (PyErr_Occurred()) throw py::error_already_set();
+    throw py::value_error("the name counter is exhausted");
+  }
+  char digits[24];
+  const auto end = std::to_chars(digits, digits + sizeof digits, n.cast<long long>()).ptr;
+  spec.name.assign(prefix).append(digits, end);
+  run_sync(eng, build_request(spec, eng));
+  return true;
+}
+
+// Engine.allreduce_into with its arguments bound (fastxfer/comm/collectives.py keeps one per
+// plain call it has checked): called with the two arrays alone, it converts nothing else.
+struct PlainAllreduce {
+  std::shared_ptr<Engine> eng;
+  py::object counter;
+  std::string prefix;
+  ReduceOp op;
+  Compression compression;
+  double prescale, postscale;
+  int64_t bucket_cap;
+};
 
 }  // namespace
 
@@ -218,21 +252,8 @@ void bind_engine(py::module_& m) {
             // here, before a name is taken, and False comes back without a collective when it is not
             // a buffer that _validate.out_like would accept (the caller then raises its error);
             // otherwise the name is `prefix` + next(counter), then as run().
-            if (!out_fits(input, output)) return false;
-            // One spec per thread, refilled for each call: the name and shape reuse its storage.
-            thread_local RequestSpec spec;
-            spec_from_py(spec, CollectiveKind::kAllreduce, input, output, op, compression, 0, prescale, postscale,
-                         bucket_cap);
-            py::object n = py::reinterpret_steal<py::object>(PyIter_Next(counter.ptr()));
-            if (!n) {
-              if (PyErr_Occurred()) throw py::error_already_set();
-              throw py::value_error("the name counter is exhausted");
-            }
-            char digits[24];
-            const auto end = std::to_chars(digits, digits + sizeof digits, n.cast<long long>()).ptr;
-            spec.name.assign(prefix).append(digits, end);
-            run_sync(eng, build_request(spec, eng));
-            return true;
+            return allreduce_plain(eng, counter, prefix, input, output, op_from_name(op),
+                                   compression_from_name(compression), prescale, postscale, bucket_cap);
           },
           py::arg("counter"), py::arg("prefix"), py::arg("input"), py::arg("output"), py::arg("op"),
           py::arg("compression"), py::arg("prescale"), py::arg("postscale"), py::arg("bucket_cap"),
@@ -295,6 +316,27 @@ void bind_engine(py::module_& m) {
       .def("report", &Engine::report, py::arg("job_culprit"), py::arg("kind"), py::arg("msg"),
            "Tell `fastxfer run` this rank fails because of job rank `job_culprit` (kind: stalled, finished, "
            "failed); the first culprit a rank names stands.");
+  py::class_<PlainAllreduce>(m, "PlainAllreduce",
+                             "engine.allreduce_into(counter, prefix, input, output, op, compression, prescale, "
+                             "postscale, bucket_cap) with everything but the two arrays bound.")
+      .def(py::init([](std::shared_ptr<Engine> eng, py::object counter, const std::string& prefix, const std::string& op,
+                       const std::string& compression, double prescale, double postscale, int64_t bucket_cap) {
+             if (!eng) throw py::value_error("PlainAllreduce needs an engine");
+             return PlainAllreduce{std::move(eng), std::move(counter), prefix, op_from_name(op),
+                                   compression_from_name(compression), prescale, postscale, bucket_cap};
+           }),
+           py::arg("engine"), py::arg("counter"), py::arg("prefix"), py::arg("op"), py::arg("compression"),
+           py::arg("prescale"), py::arg("postscale"), py::arg("bucket_cap"))
+      .def(
+          "__call__",
+          [](PlainAllreduce& p, py::handle input, py::handle output) {
+            return allreduce_plain(*p.eng, p.counter, p.prefix, input, output, p.op, p.compression, p.prescale,
+                                   p.postscale, p.bucket_cap);
+          },
+          py::arg("input"), py::arg("output"),
+          "True once the allreduce of `input` into `output` ran; False (nothing run, the counter untouched) "
+          "when they are not what allreduce_into takes.")
+      .def_property_readonly("engine", [](const PlainAllreduce& p) { return p.eng; });
   m.def(
       "segment_bytes",
       [](int size, size_t window_bytes, size_t oob_bytes, int max_records) {

@@ -224,8 +224,9 @@ class Engine:
         raises the request's error."""
     def allreduce_into(self, counter: Iterator[int], prefix: str, input: np.ndarray, output: object, op: str,
                        compression: str, prescale: float, postscale: float, bucket_cap: int) -> bool:
-        """``run("allreduce", prefix + str(next(counter)), ...)`` for a checked input, when ``output`` is
-        what ``_validate.out_like`` accepts; False (nothing run, the counter untouched) otherwise."""
+        """``run("allreduce", prefix + str(next(counter)), ...)`` when ``input`` is a C-contiguous ndarray
+        and ``output`` what ``_validate.out_like`` accepts for it; False (nothing run, the counter
+        untouched) otherwise."""
     def wait(self, id: int) -> None:
         """Block (without the GIL) until the request finishes; raises its error."""
     def done(self, id: int) -> bool:
@@ -272,6 +273,19 @@ def clear_process_set_engine(process_set_id: int) -> None:
 def connect_op_library(path: str) -> None:
     """Hand the already loaded TensorFlow op library at `path` this module's engine interface
     (RuntimeError when it is not loaded or refuses the interface's version)."""
+class PlainAllreduce:
+    """``engine.allreduce_into(counter, prefix, input, output, op, compression, prescale, postscale,
+    bucket_cap)`` with everything but the two arrays bound (the plain-call shortcut of
+    ``fastxfer.comm.collectives.allreduce``)."""
+    def __init__(self, engine: Engine, counter: Iterator[int], prefix: str, op: str, compression: str,
+                 prescale: float, postscale: float, bucket_cap: int) -> None: ...
+    def __call__(self, input: np.ndarray, output: object) -> bool:
+        """True once the allreduce of ``input`` into ``output`` ran; False (nothing run, the counter
+        untouched) when they are not what ``Engine.allreduce_into`` takes."""
+    @property
+    def engine(self) -> Engine:
+        """The engine it submits to."""
+
 def segment_bytes(size: int, window_bytes: int, oob_bytes: int, max_records: int) -> int:
     """The bytes a job segment for `size` ranks with these settings takes in /dev/shm."""
 def precreate_segment(name: str, size: int, window_bytes: int, oob_bytes: int, max_records: int) -> None:

@@ -198,7 +198,7 @@ def run(opts: options.CollectiveOptions, wire: str, arr: np.ndarray, out: np.nda
 # which the shortcut below recognises by identity (a caller's own 1.0 takes the long way).
 _ONE = 1.0
 # The shortcut's state for the running engine: (engine, name counter, {(op, compression, dtype):
-# the checked plan's engine arguments}), for calls that give at most `op` and `compression` (as
+# _core.PlainAllreduce, the engine call with the checked plan bound}), for calls that give at most `op` and `compression` (as
 # strings) besides `array` and `out` (docs/architecture.md, "Small allreduces"). Made by the first
 # such call of each kind; dropped whenever the group drops its engine (shutdown, a leave) and in a
 # forked child, which takes the long way to its error.
@@ -225,10 +225,10 @@ def allreduce(array, op: str = "average", compression: str = "none", name: str |
     if plain and known is not None and type(array) is np.ndarray:
         # The shortcut: a call this engine has checked before, in one native call that refuses
         # (False, nothing run, no name taken) anything but a C-contiguous input and a fitting `out`.
-        args = known[2].get((op, compression, array.dtype))
-        if args is not None:
+        call = known[2].get((op, compression, array.dtype))
+        if call is not None:
             result = _fresh_like(array) if out is None else out
-            if known[0].allreduce_into(known[1], "allreduce.", array, result, *args):
+            if call(array, result):
                 return result
     a = check.array(array)
     opts, wire = _allreduce_plan(op, compression, prescale, postscale, bucket_cap_mb, process_set, name, a.dtype)
@@ -254,7 +254,7 @@ def _remember_plain_call(eng, counter, key, args) -> None:
     if known is None or known[0] is not eng or known[1] is not counter:
         known = _plain_calls = (eng, counter, {})
     if len(known[2]) < _PLANS_MAX:
-        known[2][key] = args
+        known[2][key] = _core.PlainAllreduce(eng, counter, "allreduce.", *args)
 
 
 def oob_allreduce(array, op: str = "average", name: str | None = None, process_set=None) -> np.ndarray:
