@@ -198,10 +198,10 @@ def run(opts: options.CollectiveOptions, wire: str, arr: np.ndarray, out: np.nda
 # which the shortcut below recognises by identity (a caller's own 1.0 takes the long way).
 _ONE = 1.0
 # The shortcut's state for the running engine: (engine, name counter, {(op, compression, dtype):
-# _core.PlainAllreduce, the engine call with the checked plan bound}), for calls that give at most `op` and `compression` (as
-# strings) besides `array` and `out` (docs/architecture.md, "Small allreduces"). Made by the first
-# such call of each kind; dropped whenever the group drops its engine (shutdown, a leave) and in a
-# forked child, which takes the long way to its error.
+# _core.PlainAllreduce, the engine call with the checked plan bound}), for calls that give at most
+# `op` and `compression` (as strings) besides `array` and `out` (docs/architecture.md, "Small
+# allreduces"). Made by the first such call of each kind; dropped whenever the group drops its
+# engine (shutdown, a leave) and in a forked child, which takes the long way to its error.
 _plain_calls: tuple | None = None
 
 
