@@ -29,8 +29,10 @@ CollectiveKind kind_from_name(const std::string& k) {
 }
 
 // The spec of a numpy call, into `q` (refilled: its name and shape keep their storage).
+// `fitted`: out_fits(input, output) already holds, so only the dtype is left to check.
 void spec_from_py(RequestSpec& q, CollectiveKind kind, py::handle input, py::handle output, ReduceOp op,
-                  Compression compression, int root, double prescale, double postscale, int64_t bucket_cap) {
+                  Compression compression, int root, double prescale, double postscale, int64_t bucket_cap,
+                  bool fitted = false) {
   q.kind = kind;
   q.dtype = DType::kFloat32;
   q.has_data = false;
@@ -54,9 +56,10 @@ void spec_from_py(RequestSpec& q, CollectiveKind kind, py::handle input, py::han
     q.dtype = dtype_from_name(dt);
     numel = size_of(in);
     for (py::ssize_t i = 0; i < in.ndim(); ++i) q.shape.push_back(static_cast<int64_t>(in.shape(i)));
-    q.in = checked_data(in, "input", dt, numel, false);
+    q.in = fitted ? in.data() : checked_data(in, "input", dt, numel, false);
   }
-  if (!output.is_none()) q.out = checked_data(output, "output", dtype_name(q.dtype), numel, true);
+  if (fitted) q.out = py::reinterpret_borrow<py::array>(output).mutable_data();
+  else if (!output.is_none()) q.out = checked_data(output, "output", dtype_name(q.dtype), numel, true);
 }
 
 Request request_from_py(Engine& eng, const std::string& kind, const std::string& name, py::object input,
@@ -91,9 +94,9 @@ void run_sync(Engine& eng, Request req) {
 // (np.may_share_memory's bounds check).
 bool out_fits(py::handle input, py::handle output) {
   if (!py::isinstance<py::array>(input) || !py::isinstance<py::array>(output)) return false;
-  if (!(py::reinterpret_borrow<py::array>(input).flags() & py::array::c_style)) return false;
   auto in = py::reinterpret_borrow<py::array>(input);
   auto out = py::reinterpret_borrow<py::array>(output);
+  if (!(in.flags() & py::array::c_style)) return false;
   if (out.ndim() != in.ndim() || !out.dtype().equal(in.dtype())) return false;
   for (py::ssize_t d = 0; d < in.ndim(); ++d)
     if (out.shape(d) != in.shape(d)) return false;
@@ -112,7 +115,8 @@ bool allreduce_plain(Engine& eng, py::handle counter, const std::string& prefix,
   if (!out_fits(input, output)) return false;
   // One spec per thread, refilled for each call: the name and shape reuse its storage.
   thread_local RequestSpec spec;
-  spec_from_py(spec, CollectiveKind::kAllreduce, input, output, op, compression, 0, prescale, postscale, bucket_cap);
+  spec_from_py(spec, CollectiveKind::kAllreduce, input, output, op, compression, 0, prescale, postscale, bucket_cap,
+               true);
   py::object n = py::reinterpret_steal<py::object>(PyIter_Next(counter.ptr()));
   if (!n) {
     if (PyErr_Occurred()) throw py::error_already_set();
