@@ -33,6 +33,13 @@ def train(state):
         state.step += 1
         state.commit()
         time.sleep(0.1)
+        if MODE == "restart_dies" and fx.size() < 3 and state.step >= 6:
+            # Wait for worker 4 (it imports and starts on a loaded machine) before the last steps,
+            # so the job cannot finish at size 2 first; check_host_updates raises once it waits.
+            # A count, not a clock, so every rank makes the same number of collective calls.
+            for _ in range(600):
+                state.check_host_updates()
+                time.sleep(0.2)
     return state.step
 
 
