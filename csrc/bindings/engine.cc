@@ -163,7 +163,7 @@ void bind_engine(py::module_& m) {
                        std::vector<int> job_ranks, size_t net_chunk_bytes, double host_timeout_s,
                        bool yield_on_wake, const std::string& host_id, double clock_offset_us,
                        bool timeline_mark_cycles, std::vector<int> member_pids, bool precreated,
-                       size_t eager_bytes, bool host_leader) {
+                       size_t eager_bytes, bool host_leader, bool eager_tune) {
              JobConfig job;
              job.shm.name = name;
              job.shm.rank = rank;
@@ -188,6 +188,7 @@ void bind_engine(py::module_& m) {
              job.host_leader = host_leader;
              job.engine.yield_on_wake = yield_on_wake;
              job.engine.eager_bytes = eager_bytes;
+             job.engine.eager_tune = eager_tune;
              job.engine.bucket_cap_bytes = bucket_cap_bytes;
              job.engine.max_records = max_records;
              job.engine.cpus = std::move(cpus);
@@ -210,7 +211,7 @@ void bind_engine(py::module_& m) {
            py::arg("yield_on_wake") = true, py::arg("host_id") = "", py::arg("clock_offset_us") = 0.0,
            py::arg("timeline_mark_cycles") = false, py::arg("member_pids") = std::vector<int>{},
            py::arg("precreated") = false, py::arg("eager_bytes") = static_cast<size_t>(32u << 10),
-           py::arg("host_leader") = true)
+           py::arg("host_leader") = true, py::arg("eager_tune") = false)
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("size", &Engine::size)
       .def_property_readonly("oob_capacity", &Engine::oob_capacity)
@@ -298,6 +299,26 @@ void bind_engine(py::module_& m) {
           },
           py::arg("input"), py::arg("output"), py::arg("name"), py::arg("op"), py::arg("postscale"))
       .def("stats", &Engine::stats)
+      .def("eager_tuning", [](const Engine& e) {
+             py::list out;
+             for (const EagerTuner::Row& r : e.eager_tuning()) {
+               py::dict d;
+               d["bytes"] = r.bytes;
+               d["offers"] = r.offers;
+               d["eager_rounds"] = r.eager_rounds;
+               d["chunk_rounds"] = r.chunk_rounds;
+               d["eager_median_s"] = r.eager_median_s;
+               d["chunk_median_s"] = r.chunk_median_s;
+               d["path"] = r.prefer_eager ? "with the records" : "chunks";
+               out.append(std::move(d));
+             }
+             return out;
+           },
+           "The one-exchange path's tuner, one dict per size class offered so far (packed bytes up to "
+           "`bytes`): offers, rounds timed on each path, their median round times and the path this rank "
+           "offers (docs/algorithms.md, \"Which path, measured\")")
+      .def("set_eager_tuning", &Engine::set_eager_tuning, py::arg("on"),
+           "Off: every allreduce bucket within FASTXFER_EAGER_KB takes the one-exchange path, unmeasured")
       .def("mark", &Engine::mark, py::arg("name"), "A step mark on the timeline (FASTXFER_TIMELINE); no-op without one.")
       .def_property_readonly("timeline_enabled", &Engine::timeline_enabled)
       .def("start_timeline", &Engine::start_timeline, py::arg("path"), py::arg("mark_cycles") = false,

@@ -67,7 +67,7 @@ bool fusable(const Request* a, const Request* r) {
 // Decided from the requests alone, so ranks that queued the same requests offer the same prefix
 // (and ranks that queued more offer at least as much of the common part): the first requests that
 // would fuse into one bucket, while that bucket's packed bytes stay within the limit and the cap.
-size_t Engine::eager_prefix(const std::vector<Request*>& offered) const {
+size_t Engine::eager_prefix(const std::vector<Request*>& offered, size_t* bytes) const {
   const size_t limit = std::min(cfg_.eager_bytes, comm_->eager_capacity());
   if (limit == 0 || offered.empty()) return 0;
   const Request* r = offered[0];
@@ -84,6 +84,7 @@ size_t Engine::eager_prefix(const std::vector<Request*>& offered) const {
     numel = end;
     ++n;
   }
+  if (bytes != nullptr) *bytes = numel * es;
   return n;
 }
 

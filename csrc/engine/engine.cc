@@ -37,6 +37,7 @@ namespace fastxfer {
 Engine::Engine(std::unique_ptr<Collectives> comm, const EngineConfig& cfg)
     : comm_(std::move(comm)), cfg_(cfg), timeline_(cfg.timeline_path, cfg.timeline_rank, cfg.clock_offset_us, cfg.timeline_mark_cycles), owner_pid_(getpid()),
       owner_fork_generation_(fork_generation()) {
+  tuner_.set_enabled(cfg_.eager_tune);
   thread_ = std::thread([this] { loop(); });
   pthread_setname_np(thread_.native_handle(), "fastxfer-engine");  // visible in top -H, gdb, /proc
   if (!cfg_.cpus.empty()) {
@@ -405,7 +406,11 @@ bool Engine::run_round() {
   // Small allreduces at the head of the round send their data with the records (every rank offers,
   // if only none): the requests stay queued, this thread alone takes them off the queue.
   // The offered bucket is kept for run_eager: the batch starts with the same requests.
-  const size_t offer = eager_prefix(offered);
+  // Whether this rank offers it is the tuner's call (eager_tuner.h): measured per size, on both paths.
+  size_t offer_bytes = 0;
+  const size_t full = eager_prefix(offered, &offer_bytes);
+  const size_t offer = full > 0 && tuner_.offer(offer_bytes, rounds_run_) ? full : 0;
+  const auto t_offer = full > 0 ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
   Bucket& eager_bucket = round_.eager_bucket;
   AllreduceJob& eager_run = round_.eager_run;
   if (offer > 0) {
@@ -551,6 +556,10 @@ bool Engine::run_round() {
   if (comm_->eager_capacity() > 0 && !me_joined) eager = std::min<size_t>(agreed, comm_->eager_agreed());
   if (eager > 0) run_eager(batch, eager, eager_bucket, eager_run);
   run_batch(batch, all, eager);
+  // A round that was the offered bucket and nothing else times one path for the tuner.
+  if (full > 0 && agreed == full && !failing && !me_joined && (eager == 0 || eager == agreed))
+    tuner_.record(offer_bytes, eager > 0,
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t_offer).count());
   executed_ += agreed;
   fail_bad();
   return last;

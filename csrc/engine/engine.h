@@ -16,6 +16,7 @@
 
 #include "collectives/collectives.h"
 #include "engine/c_api.h"
+#include "engine/eager_tuner.h"
 #include "engine/timeline.h"
 #include "common/request.h"
 #include "transport/inter_host.h"
@@ -36,6 +37,8 @@ struct EngineConfig {
                                 // same numbers; a process set's differ)
   size_t eager_bytes = 32u << 10;  // allreduce buckets up to this many packed bytes travel with the records
                                    // (FASTXFER_EAGER_KB; 0: never; capped by Collectives::eager_capacity)
+  bool eager_tune = false;      // the tuner picks the path per size below eager_bytes (FASTXFER_EAGER_TUNE;
+                                // false: every such bucket takes the one-exchange path)
   bool yield_on_wake = true;    // a submit that wakes the sleeping engine thread yields the core to it
                                 // (FASTXFER_YIELD; docs/architecture.md, "Waking the engine thread")
 };
@@ -136,6 +139,10 @@ class Engine {
   bool host_lost() const { return comm_->host_lost(); }
   // Read while the engine runs: approximate (not synchronised with the engine thread).
   CommStats stats() const { return comm_->stats(); }
+  // The one-exchange path's tuner: what it measured per size class, and switching it off or on
+  // (off: every bucket within eager_bytes takes that path, as before the tuner).
+  std::vector<EagerTuner::Row> eager_tuning() const { return tuner_.rows(); }
+  void set_eager_tuning(bool on) { tuner_.set_enabled(on); }
   // For `fastxfer run`'s last line: this rank fails because of job rank `job_culprit` (`kind`:
   // "stalled", "finished", "failed"); the first culprit a rank names stands (ShmSegment::report).
   void report(int job_culprit, const std::string& kind, const std::string& msg) { comm_->report(job_culprit, kind, msg); }
@@ -174,7 +181,8 @@ class Engine {
   void run_batch(const std::vector<Request*>& batch, const std::vector<std::vector<Record>>& all, size_t start = 0);
   // The one-exchange path: how many of `offered` (this round's requests, in order) form one small
   // allreduce bucket that can travel with the records, and that bucket's job (dispatch.cc).
-  size_t eager_prefix(const std::vector<Request*>& offered) const;
+  // `bytes` (if given): that bucket's packed bytes.
+  size_t eager_prefix(const std::vector<Request*>& offered, size_t* bytes = nullptr) const;
   // (into `bucket` and `job`, whose storage is reused)
   void eager_job(const std::vector<Request*>& reqs, size_t n, Bucket& bucket, AllreduceJob& job) const;
   // Runs the first n requests of `batch` from the data that came with the records and finishes them;
@@ -210,6 +218,7 @@ class Engine {
     AllreduceJob eager_run{};
   };
   RoundScratch round_;
+  EagerTuner tuner_;
 
   std::unique_ptr<Collectives> comm_;
   EngineConfig cfg_;

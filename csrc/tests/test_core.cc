@@ -604,6 +604,53 @@ static void test_process_settings() {
   pool_set_cap(cap);
 }
 
+// The one-exchange path's tuner (engine/eager_tuner.h): the offer before and after its warm-up,
+// trials the same for every rank (from the round number alone), medians that decide both ways,
+// and off meaning every offer.
+static void test_eager_tuner() {
+  using T = EagerTuner;
+  CHECK(T::size_class(1) == 0 && T::size_class(4096) == 12 && T::size_class(4097) == 13 &&
+            T::size_class(65536) == 16 && T::size_class(1 << 20) == 16, "size classes");
+  int eager_trials = 0, chunk_trials = 0;
+  for (uint64_t r = 0; r < 32000; ++r) {
+    eager_trials += T::trial(r) == T::Trial::kEager;
+    chunk_trials += T::trial(r) == T::Trial::kChunks;
+  }
+  CHECK(eager_trials > 800 && eager_trials < 1200 && chunk_trials > 800 && chunk_trials < 1200, "trials 1 in 32 each");
+  uint64_t none = 0;  // a round without a trial, and one of each kind
+  while (T::trial(none) != T::Trial::kNone) ++none;
+  uint64_t chunk_round = 0, eager_round = 0;
+  while (T::trial(chunk_round) != T::Trial::kChunks) ++chunk_round;
+  while (T::trial(eager_round) != T::Trial::kEager) ++eager_round;
+  T t;
+  const size_t b = 16 << 10;
+  CHECK(!t.enabled(), "the tuner is on by default");
+  t.set_enabled(true);
+  for (uint64_t k = 0; k < T::kWarmup; ++k) CHECK(t.offer(b, chunk_round), "an offer refused in the warm-up");
+  CHECK(!t.offer(b, chunk_round) && t.offer(b, eager_round) && t.offer(b, none), "trials after the warm-up");
+  // the chunks twice as fast: after kMinSamples of each, the preferred path is the chunks
+  for (int k = 0; k < T::kMinSamples; ++k) t.record(b, true, 10e-6);
+  for (int k = 0; k < T::kMinSamples - 1; ++k) t.record(b, false, 5e-6);
+  CHECK(t.offer(b, none), "decided before the chunks had kMinSamples rounds");
+  t.record(b, false, 5e-6);
+  CHECK(!t.offer(b, none) && t.offer(b, eager_round), "the faster chunks not preferred, or no eager trial");
+  // one slow outlier among the chunks does not move the median; a window of faster eager rounds does
+  t.record(b, false, 1.0);
+  CHECK(!t.offer(b, none), "one outlier moved the choice");
+  for (int k = 0; k < T::kWindow; ++k) t.record(b, true, 2e-6);
+  CHECK(t.offer(b, none), "eager rounds now faster, still not preferred");
+  auto rows = t.rows();
+  CHECK(rows.size() == 1 && rows[0].bytes == b && rows[0].eager_rounds == T::kMinSamples + T::kWindow &&
+            rows[0].chunk_rounds == T::kMinSamples + 1 && rows[0].eager_median_s == 2e-6 &&
+            rows[0].chunk_median_s == 5e-6 && rows[0].prefer_eager,
+        "rows");
+  // another class keeps its own state; off: every offer, nothing recorded
+  CHECK(t.offer(1024, chunk_round), "a new class in its warm-up refused");
+  t.set_enabled(false);
+  for (int k = 0; k < 3 * T::kWindow; ++k) t.record(b, false, 1e-9);
+  CHECK(t.offer(b, chunk_round) && t.rows()[1].chunk_rounds == T::kMinSamples + 1, "off still tuned");
+}
+
 int main() {
   test_small_allreduce_allocates_nothing();
   test_counter_increment_loses_nothing();
@@ -617,6 +664,7 @@ int main() {
   test_reduce_block();
   test_16bit_reduce_matches_reference();
   test_cpu_lists();
+  test_eager_tuner();
   if (failures) {
     std::printf("%d failed\n", failures);
     return 1;

@@ -90,3 +90,30 @@ def test_bench_allreduce_says_why_a_peer_is_skipped(monkeypatch):
     monkeypatch.setattr(allreduce, "_installed", lambda m: m == "deepspeed")
     assert allreduce._missing("deepspeed") == "deepspeed is installed but torch is not"
     assert allreduce._missing("ncl").startswith("unknown peer")
+
+
+def test_bench_allreduce_repeats_alternate_the_peers_and_report_medians(monkeypatch):
+    """`--repeat 3` on one host: the peers run as given, reversed, as given; every row is the median
+    of its three p50s (kept in run order), and a peer that fails once is named with that run while
+    its other two runs still count."""
+    from fastxfer.bench import allreduce
+
+    order, p50s = [], {"fastxfer": iter([3e-6, 1e-6, 2e-6]), "mpi4py": iter([5e-6, 9e-6, 7e-6]),
+                       "gloo": iter([4e-4, 6e-4])}
+
+    def launch(impl, np_, sizes, scale, tmp, collectives, bind):
+        order.append(impl)
+        if impl == "gloo" and len(order) == 4:  # gloo's run 2 of 3
+            return [], "failed (exit 1): boom", {}
+        return [{"impl": impl, "bytes": sizes[0], "p50": next(p50s[impl]), "wrong": 0}], None, {}
+
+    monkeypatch.setattr(allreduce, "_launch", launch)
+    monkeypatch.setattr(allreduce, "_missing", lambda impl: "not installed" if impl == "horovod" else None)
+    res = allreduce.run(2, 4096, 4096, 4, 1.0, ("fastxfer", "horovod", "mpi4py", "gloo"), "none", ("allreduce",), 3)
+    assert order == ["fastxfer", "mpi4py", "gloo", "gloo", "mpi4py", "fastxfer", "fastxfer", "mpi4py", "gloo"]
+    rows = {r["impl"]: r for r in res["rows"]}
+    assert [r["impl"] for r in res["rows"]] == ["fastxfer", "mpi4py", "gloo"]
+    assert rows["fastxfer"]["p50"] == 2e-6 and rows["fastxfer"]["p50s"] == [3e-6, 1e-6, 2e-6]
+    assert rows["mpi4py"]["p50"] == 7e-6 and rows["gloo"]["p50"] == 5e-4
+    assert res["skipped"] == {"horovod": "not installed", "gloo": "failed (exit 1): boom, run 2 of 3"}
+    assert res["repeat"] == 3 and rows["fastxfer"]["algbw"] == 4096 / 2e-6 / 1e9

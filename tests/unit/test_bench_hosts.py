@@ -7,6 +7,7 @@ import pytest
 
 from _launch import fastxfer_cmd, run_command
 from fastxfer.bench import hosts
+from fastxfer.bench.harness import median_rows
 
 MB = 1 << 20
 
@@ -31,7 +32,7 @@ def test_wire_formula_is_the_ring_optimum():
 def test_repeats_become_medians_and_wrong_elements_add_up():
     runs = [[{"impl": "fastxfer none", "bytes": MB, "p50": p, "wrong": w, "wire_bytes": wb}]
             for p, w, wb in ((3.0, 0, 10), (1.0, 2, 30), (2.0, 1, 20))]
-    (row,) = hosts._median_rows(runs)
+    (row,) = median_rows(runs)
     assert row["p50"] == 2.0 and row["p50s"] == [3.0, 1.0, 2.0]
     assert row["wrong"] == 3 and row["wire_bytes"] == 20
 

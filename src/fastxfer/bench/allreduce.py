@@ -36,9 +36,9 @@ import tempfile
 
 import numpy as np
 
-from fastxfer.bench.harness import (GB, free_port, launcher_command, machine_info, markdown_table, print_markdown,
-                                    print_table, print_targets, pyplot, read_results, save_plot, status, target,
-                                    worker_command, write_json)
+from fastxfer.bench.harness import (GB, free_port, launcher_command, machine_info, markdown_table, median_rows,
+                                    print_markdown, print_table, print_targets, pyplot, read_results, save_plot,
+                                    status, target, worker_command, write_json)
 from fastxfer.bench.workers.allreduce_worker import COLLECTIVES, deepspeed_segments
 
 
@@ -54,6 +54,7 @@ def _launch(impl: str, np_: int, sizes: list[int], scale: float, tmp: str,
             collectives: tuple[str, ...] = COLLECTIVES, bind: str = "none"
             ) -> tuple[list[dict], str | None, dict[str, str]]:
     """One peer's sweep: (rows, why it did not run or None, {row label: why that row was left out})."""
+    os.makedirs(tmp, exist_ok=True)
     out = os.path.join(tmp, f"{impl}-{np_}")
     worker = worker_command("allreduce_worker", "--impl", impl, "--sizes", ",".join(map(str, sizes)),
                             "--iters-scale", str(scale), "--out", out, "--collectives", ",".join(collectives))
@@ -172,33 +173,53 @@ def _bus_factor(collective: str, n: int) -> float:
     return {"allreduce": 2 * (n - 1) / n, "allgather": float(n - 1)}.get(collective, (n - 1) / n)
 
 
+def peer_order(peers: tuple[str, ...], rep: int) -> tuple[str, ...]:
+    """The order the peers run in on repeat `rep` (0-based): as given, then reversed, and so on, so
+    that no peer always runs first on a machine that warms up or always last on one that tires."""
+    return peers if rep % 2 == 0 else tuple(reversed(peers))
+
+
 def run(np_: int = 2, b: int = 1 << 10, e: int = 64 << 20, f: int = 4, scale: float = 1.0,
-        peers: tuple[str, ...] = PEERS, bind: str = "none", collectives: tuple[str, ...] = COLLECTIVES) -> dict:
+        peers: tuple[str, ...] = PEERS, bind: str = "none", collectives: tuple[str, ...] = COLLECTIVES,
+        repeat: int = 1) -> dict:
+    """Every peer's sweep, `repeat` times with the order alternating (`peer_order`); each row is the
+    median over the repeats of each run's p50 (`p50s` keeps them all, in run order). A peer that
+    fails in one repeat is named in `skipped` with that repeat, and its other runs still count."""
     sizes = _sizes(b, e, f)
-    rows: list[dict] = []
     skipped: dict[str, str] = {}
+    runnable = []
+    for impl in peers:
+        why = _missing(impl)
+        if why:
+            skipped[impl] = why
+        else:
+            runnable.append(impl)
+    runs: dict[str, list[list[dict]]] = {impl: [] for impl in runnable}
     with tempfile.TemporaryDirectory(prefix="fastxfer-bench-") as tmp:
-        for impl in peers:
-            why = _missing(impl)
-            if why:
-                skipped[impl] = why
-                continue
-            if impl == "deepspeed":
-                status("deepspeed: the first run JIT-builds its shm extension with ninja (a minute or two)")
-            status(f"{impl}: {np_} ranks, {len(sizes)} sizes {sizes[0]}..{sizes[-1]} bytes")
-            got, err, left_out = _launch(impl, np_, sizes, scale, tmp, collectives, bind)
-            if err:
-                skipped[impl] = err
-                status(f"{impl}: {err}")
-            # rows a peer left out while running its others (DeepSpeed's bf16 kernel without AVX-512BW)
-            for label, why in left_out.items():
-                skipped[label] = why
-                status(f"{label}: {why}")
-            rows.extend(got)
+        for rep in range(repeat):
+            of = f", run {rep + 1} of {repeat}" if repeat > 1 else ""
+            for impl in peer_order(tuple(runnable), rep):
+                if impl == "deepspeed" and rep == 0:
+                    status("deepspeed: the first run JIT-builds its shm extension with ninja (a minute or two)")
+                status(f"{impl}: {np_} ranks, {len(sizes)} sizes {sizes[0]}..{sizes[-1]} bytes{of}")
+                got, err, left_out = _launch(impl, np_, sizes, scale, os.path.join(tmp, str(rep)), collectives, bind)
+                if err:
+                    skipped[impl] = err + of
+                    status(f"{impl}: {err}{of}")
+                # rows a peer left out while running its others (DeepSpeed's bf16 kernel without AVX-512BW)
+                for label, why in left_out.items():
+                    skipped[label] = why
+                    if rep == 0:
+                        status(f"{label}: {why}")
+                if got:
+                    runs[impl].append(got)
+    rows: list[dict] = []
+    for impl in runnable:  # the table keeps the order the peers were asked for
+        rows.extend(median_rows(runs[impl]))
     for r in rows:
         r["algbw"] = r["bytes"] / r["p50"] / GB
         r["busbw"] = r["algbw"] * _bus_factor(r.get("collective", "allreduce"), np_)
-    return {"machine": machine_info(), "ranks": np_, "rows": rows, "skipped": skipped,
+    return {"machine": machine_info(), "ranks": np_, "repeat": repeat, "rows": rows, "skipped": skipped,
             "targets": _targets(rows, e), "model": cost_model(rows, np_), "adasum": adasum_vs_sum(rows)}
 
 
@@ -320,11 +341,15 @@ COLUMNS = ["impl", "bytes", "p50 us", "algbw GB/s", "busbw GB/s", "#wrong"]
 
 def report(res: dict, markdown: bool = False) -> None:
     m = res["machine"]
+    repeat = res.get("repeat", 1)
     caption = (f"{m['date']} | {m['cpu']} | {m['cpus']} CPUs | {res['ranks']} ranks on this host | "
-               f"GB = 1e9 B; busbw = algbw*2(n-1)/n; p50 over iterations")
+               f"GB = 1e9 B; busbw = algbw*2(n-1)/n; p50 over iterations"
+               + (f", median of {repeat} runs (the peers' order alternating)" if repeat > 1 else ""))
+    columns = COLUMNS + (["runs' p50 us"] if repeat > 1 else [])
     rows = [[r["impl"], str(r["bytes"]), f"{r['p50'] * 1e6:.1f}", f"{r['algbw']:.2f}", f"{r['busbw']:.2f}",
-             str(r["wrong"])] for r in res["rows"]]
-    print_table("fastxfer bench allreduce", COLUMNS, rows, caption)
+             str(r["wrong"])] + ([" / ".join(f"{p * 1e6:.1f}" for p in r["p50s"])] if repeat > 1 else [])
+            for r in res["rows"]]
+    print_table("fastxfer bench allreduce", columns, rows, caption)
     for k, v in res["skipped"].items():
         print(f"  skipped {k}: {v}")
     print_targets(res["targets"])
@@ -345,7 +370,7 @@ def report(res: dict, markdown: bool = False) -> None:
                     f"alpha_net {model['alpha_net_s'] * 1e6:.1f} us, shm {model['shm_alpha_s'] * 1e6:.1f} us + "
                     f"{1 / model['shm_beta_s_per_byte'] / GB:.2f} GB/s (calibrated on this host)")
     if markdown:
-        print_markdown(m, caption, COLUMNS, rows, res["targets"])
+        print_markdown(m, caption, columns, rows, res["targets"])
         if arows:
             print()
             print(markdown_table(acols, arows))
@@ -421,7 +446,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --hosts: the Open MPI configurations to run, comma-separated (han, no-han, han-simple, "
                         "han/node, no-han/node) or all (default); fastxfer is compared with the best of them")
     p.add_argument("--repeat", type=int, default=1,
-                   help="with --hosts: run every launch this many times, alternating the peers, and report medians")
+                   help="run every peer's sweep (with --hosts: every launch) this many times, the peers' order "
+                        "alternating between repeats, and report the medians (default 1)")
     p.add_argument("--json", metavar="PATH", help="write results as JSON (- for stdout)")
     p.add_argument("--plot", metavar="PNG", help="busbw vs size, and the cost model")
     p.add_argument("--markdown", action="store_true", help="also print markdown tables (for bench/RESULTS.md)")
@@ -469,7 +495,7 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"unknown collective(s) {', '.join(bad)}: expected some of {', '.join(COLLECTIVES)}")
     res = run(args.np, _parse_size(args.minbytes), _parse_size(args.maxbytes), args.stepfactor, args.iters_scale,
               tuple(p.strip() for p in args.peers.split(",") if p.strip()), args.bind,
-              tuple(c.strip() for c in args.collectives.split(",") if c.strip()))
+              tuple(c.strip() for c in args.collectives.split(",") if c.strip()), max(1, args.repeat))
     if args.json:
         write_json(args.json, res)
     if args.json != "-":

@@ -154,6 +154,27 @@ def target(text: str, value: float, need: float, ok: bool) -> dict:
 
 # ---- output -----------------------------------------------------------------------------------
 
+def median_rows(runs: list[list[dict]]) -> list[dict]:
+    """Repeated sweeps as one: a row per (impl, bytes, collective) with the median over the runs of
+    each run's p50 (and wire bytes, where rows have them) and every run's wrong elements added up;
+    `p50s` keeps each run's p50, in run order. Rows keep the first run's other fields and order."""
+    out: dict[tuple, dict] = {}
+    for rows in runs:
+        for r in rows:
+            key = (r["impl"], r["bytes"], r.get("collective"))
+            o = out.setdefault(key, dict(r, p50s=[], wires=[], wrong=0))
+            o["p50s"].append(r["p50"])
+            o["wrong"] += r["wrong"]
+            if r.get("wire_bytes") is not None:
+                o["wires"].append(r["wire_bytes"])
+    for o in out.values():
+        o["p50"] = float(statistics.median(o["p50s"]))
+        if o["wires"]:
+            o["wire_bytes"] = float(statistics.median(o["wires"]))
+        del o["wires"]
+    return list(out.values())
+
+
 def status(msg: str) -> None:
     """One line of progress on stderr (keeps stdout clean for --json -)."""
     print(f"[bench] {msg}", file=sys.stderr, flush=True)

@@ -40,8 +40,8 @@ import tempfile
 
 import numpy as np
 
-from fastxfer.bench.harness import (GB, free_port, launcher_command, machine_info, read_results, status, target,
-                                    worker_command)
+from fastxfer.bench.harness import (GB, free_port, launcher_command, machine_info, median_rows, read_results, status,
+                                    target, worker_command)
 
 ROWS_FX = ("fastxfer none", "fastxfer bf16")
 OVERLAP = {"1": "fastxfer none, overlap on", "0": "fastxfer none, overlap off"}
@@ -155,7 +155,7 @@ def _one_host_sweeps(slots: set[int], sizes: list[int], scale: float, tmp: str,
                 tail = " | ".join((r.stderr or r.stdout).strip().splitlines()[-3:])
                 raise RuntimeError(f"one-host sweep with {k} ranks failed (exit {r.returncode}): {tail}")
             runs.append(per_rank[0]["results"])
-        out[k] = _median_rows(runs)
+        out[k] = median_rows(runs)
     return out
 
 
@@ -164,26 +164,6 @@ def _interp(rows: list[dict], impl: str, nbytes: int) -> float | None:
         if r["impl"] == impl and r["bytes"] == nbytes:
             return r["p50"]
     return None
-
-
-def _median_rows(runs: list[list[dict]]) -> list[dict]:
-    """One row per (impl, bytes): the median over repeats of each run's p50 and wire bytes, and
-    every repeat's wrong elements added up; `p50s` keeps each repeat's."""
-    out: dict[tuple, dict] = {}
-    for rows in runs:
-        for r in rows:
-            key = (r["impl"], r["bytes"])
-            o = out.setdefault(key, dict(r, p50s=[], wires=[], wrong=0))
-            o["p50s"].append(r["p50"])
-            o["wrong"] += r["wrong"]
-            if r.get("wire_bytes") is not None:
-                o["wires"].append(r["wire_bytes"])
-    for o in out.values():
-        o["p50"] = float(np.median(o["p50s"]))
-        if o["wires"]:
-            o["wire_bytes"] = float(np.median(o["wires"]))
-        del o["wires"]
-    return list(out.values())
 
 
 def run(configs: list[tuple[int, int]], rates: list[str], sizes: list[int], scale: float = 1.0,
@@ -241,7 +221,7 @@ def run(configs: list[tuple[int, int]], rates: list[str], sizes: list[int], scal
                             elif got:
                                 got_all[i].append(got)
                     for i, (name, impl, only, env, args) in enumerate(runs):
-                        for r in _median_rows(got_all[i]):
+                        for r in median_rows(got_all[i]):
                             if env or args:
                                 r["impl"] = name
                             r.update(hosts=hosts, slots=slots, rate=rate_text if bits else "none", rate_bits=bits,

@@ -361,7 +361,7 @@ def init(comm=None, process_sets=None, *, timeout: float | None = None, engine_c
                         report_dir=config.get("FASTXFER_REPORT_DIR") or "",
                         net_chunk=net_chunk_bytes(), host_timeout=host_timeout(),
                         yield_on_wake=config.get("FASTXFER_YIELD"), host_id=config.get("FASTXFER_HOST_ID") or "",
-                        eager=int(config.get("FASTXFER_EAGER_KB") * 1024),
+                        eager=int(config.get("FASTXFER_EAGER_KB") * 1024), eager_tune=config.get("FASTXFER_EAGER_TUNE"),
                         host_leader=config.get("FASTXFER_HOST_LEADER"))
         here = layout.host_of_rank(layout.rank)
         on_host = [r for r in range(layout.size) if layout.host_of_rank(r) == here] if layout.host_of else []
@@ -440,7 +440,8 @@ def make_engine(settings: dict, segment: str, local_rank: int, local_size: int, 
                         s["spin_us"], s["stall_warning"], s["report_dir"], list(segment_ranks), list(job_ranks),
                         s.get("net_chunk", 1 << 20), s.get("host_timeout", 0.0), s.get("yield_on_wake", True),
                         s.get("host_id", ""), s.get("clock_offset_us", 0.0), s.get("timeline_mark_cycles", False),
-                        list(member_pids), precreated, s.get("eager", 32 << 10), s.get("host_leader", True))
+                        list(member_pids), precreated, s.get("eager", 32 << 10), s.get("host_leader", True),
+                        s.get("eager_tune", False))
 
 
 def settings() -> dict:
@@ -615,9 +616,12 @@ STATS_KEYS = ("pack_s", "wait_s", "reduce_s", "unpack_s", "negotiate_s", "chunks
 def engine_stats() -> dict:
     """Cumulative seconds the engine spent packing, waiting for peers, reducing, unpacking and
     negotiating, with chunk/round counts and the buckets that travelled with the records
-    (``eager_buckets``): where the communication time goes."""
-    s = _current()[0].stats()
-    return {k: getattr(s, k) for k in STATS_KEYS}
+    (``eager_buckets``): where the communication time goes. ``eager_tuning``: what this rank's
+    engine measured of the two paths for small allreduces, one dict per size class
+    (docs/algorithms.md, "Which path, measured")."""
+    engine = _current()[0]
+    s = engine.stats()
+    return {**{k: getattr(s, k) for k in STATS_KEYS}, "eager_tuning": engine.eager_tuning()}
 
 
 def hosts() -> int:
