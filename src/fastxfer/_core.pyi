@@ -249,6 +249,11 @@ class Engine:
         """Reduce a small array on the out-of-band lane, on the calling thread (GIL released)."""
     def stats(self) -> CommStats:
         """Where the time went so far (a snapshot)."""
+    def eager_tuning(self) -> list[dict[str, object]]:
+        """The one-exchange path's tuner: per size class offered so far, its offers, the rounds timed on
+        each path, their median round times and the path this rank offers."""
+    def set_eager_tuning(self, on: bool) -> None:
+        """Off: every bucket within FASTXFER_EAGER_KB takes the one-exchange path, unmeasured."""
     @property
     def host_lost(self) -> bool:
         """A host of the job was lost (heartbeats across hosts): MPI cannot be finalized."""
