@@ -410,7 +410,8 @@ bool Engine::run_round() {
   size_t offer_bytes = 0;
   const size_t full = eager_prefix(offered, &offer_bytes);
   const size_t offer = full > 0 && tuner_.offer(offer_bytes, rounds_run_) ? full : 0;
-  const auto t_offer = full > 0 ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
+  const bool timed = full > 0 && tuner_.enabled();
+  const auto t_offer = timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
   Bucket& eager_bucket = round_.eager_bucket;
   AllreduceJob& eager_run = round_.eager_run;
   if (offer > 0) {
@@ -557,7 +558,7 @@ bool Engine::run_round() {
   if (eager > 0) run_eager(batch, eager, eager_bucket, eager_run);
   run_batch(batch, all, eager);
   // A round that was the offered bucket and nothing else times one path for the tuner.
-  if (full > 0 && agreed == full && !failing && !me_joined && (eager == 0 || eager == agreed))
+  if (timed && agreed == full && !failing && !me_joined && (eager == 0 || eager == agreed))
     tuner_.record(offer_bytes, eager > 0,
                   std::chrono::duration<double>(std::chrono::steady_clock::now() - t_offer).count());
   executed_ += agreed;
