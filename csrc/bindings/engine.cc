@@ -211,7 +211,7 @@ void bind_engine(py::module_& m) {
            py::arg("yield_on_wake") = true, py::arg("host_id") = "", py::arg("clock_offset_us") = 0.0,
            py::arg("timeline_mark_cycles") = false, py::arg("member_pids") = std::vector<int>{},
            py::arg("precreated") = false, py::arg("eager_bytes") = static_cast<size_t>(32u << 10),
-           py::arg("host_leader") = true, py::arg("eager_tune") = false)
+           py::arg("host_leader") = true, py::arg("eager_tune") = true)
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("size", &Engine::size)
       .def_property_readonly("oob_capacity", &Engine::oob_capacity)

@@ -35,7 +35,7 @@ struct Chunker {
   const size_t es, align, own_es;
   const bool direct;  // my own contribution read straight from my tensors (no cross-host stage)
   size_t chunk = 0;
-  std::vector<const void*> srcs;
+  std::vector<const void*>& srcs;  // one source per rank for a reduction: the context's, kept between calls
 
   // A chunk in progress: its window and element range.
   struct Part {
@@ -55,7 +55,8 @@ struct Chunker {
                ((b.dtype == b.wire_dtype && (b.dtype == DType::kFloat32 || b.dtype == DType::kFloat64 ||
                                              b.dtype == DType::kBFloat16 || b.dtype == DType::kFloat16)) ||
                 (b.dtype == DType::kFloat32 && b.wire_dtype != DType::kFloat32))),
-        srcs(n_ranks) {
+        srcs(ctx.reduce_srcs) {
+    srcs.resize(n_ranks);
     // Chunk: half a window (or less, max_chunk_bytes on the wire), split into one 64-byte-aligned
     // shard per rank. Chunks hold the same number of elements whatever the wire format (a
     // compressed chunk uses part of the window): the float32 inputs and outputs a chunk touches
@@ -101,12 +102,12 @@ struct Chunker {
     char* out = nullptr;
     if (my_lo < my_hi) {
       if (direct) {
-        for (const Segment& sg : segments(b, my_lo, my_hi)) {
+        for_each_segment(b, my_lo, my_hi, [&](const Segment& sg) {
           for (int j = 0; j < n_ranks; ++j) srcs[j] = seg.window(j, p.ch.half) + (sg.packed - lo) * es;
           srcs[me] = static_cast<const char*>(job.srcs[sg.tensor]) + sg.begin * own_es;
           reduce_block_direct(job.op, b.wire_dtype, b.dtype, srcs.data(), n_ranks, me, mine + (sg.packed - lo) * es,
                               static_cast<char*>(job.outs[sg.tensor]) + sg.begin * own_es, sg.count, job.postscale);
-        }
+        });
       } else {
         for (int j = 0; j < n_ranks; ++j) srcs[j] = seg.window(j, p.ch.half) + p.shard_lo(me) * es;
         out = mine + p.shard_lo(me) * es;

@@ -22,6 +22,9 @@ struct ShmContext {
   uint64_t round = 0;    // negotiation rounds done
   uint64_t oob_seq = 0;  // out-of-band reductions done
   CommStats stats;
+  // Working storage of the chunked allreduce (its per-rank sources), kept between calls so a
+  // small bucket allocates nothing. One collective at a time uses a context.
+  std::vector<const void*> reduce_srcs;
 };
 
 // The window protocol, written once. Chunk g uses half g & 1 of every rank's window:

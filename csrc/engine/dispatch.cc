@@ -154,12 +154,21 @@ void Engine::run_batch(const std::vector<Request*>& batch, const std::vector<std
         // `r` is finished with the first bucket (and may be released): keep what the run needs.
         const ReduceOp op = r->op;
         const double prescale = r->prescale, postscale = r->postscale;
-        std::vector<TensorSpec> specs;
+        // Planned into the round's storage, kept between rounds: a warm run of the same shapes
+        // allocates nothing (the tuner may send a single small bucket here every round).
+        std::vector<TensorSpec>& specs = round_.specs;
+        specs.clear();
         for (size_t k = i; k < e; ++k) specs.push_back({batch[k]->numel, batch[k]->dtype});
         const size_t cap = r->rec.bucket_cap > 0 ? static_cast<size_t>(r->rec.bucket_cap) : cfg_.bucket_cap_bytes;
-        BucketPlanner planner(cap, cap, r->compression);
-        for (const Bucket& b : planner.plan(specs)) {
-          AllreduceJob job{&b, {}, {}, op, prescale, postscale};
+        BucketPlanner(cap, cap, r->compression).plan_into(specs, round_.plan);
+        AllreduceJob& job = round_.run;
+        job.op = op;
+        job.prescale = prescale;
+        job.postscale = postscale;
+        for (const Bucket& b : round_.plan) {
+          job.bucket = &b;
+          job.srcs.clear();
+          job.outs.clear();
           for (int t : b.tensors) {
             job.srcs.push_back(batch[i + t]->in);
             job.outs.push_back(batch[i + t]->out);

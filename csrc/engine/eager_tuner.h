@@ -10,8 +10,8 @@
 // round), runs one path or the other regardless, which keeps both medians fresh. A rank's offer is
 // its own: the path runs only where every rank offered it (the minimum of the offers), so ranks
 // whose measurements disagree run the chunks, correctly, and that is what they record.
-// Off by default (FASTXFER_EAGER_TUNE=1 turns it on): a round on the chunk path still allocates
-// (the planner's buckets), where the one-exchange path allocates nothing.
+// On by default (FASTXFER_EAGER_TUNE=0 turns it off: every bucket within the limit takes the
+// one-exchange path). A warm round on either path allocates nothing (test_core.cc checks both).
 #pragma once
 #include <algorithm>
 #include <array>

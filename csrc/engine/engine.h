@@ -37,7 +37,7 @@ struct EngineConfig {
                                 // same numbers; a process set's differ)
   size_t eager_bytes = 32u << 10;  // allreduce buckets up to this many packed bytes travel with the records
                                    // (FASTXFER_EAGER_KB; 0: never; capped by Collectives::eager_capacity)
-  bool eager_tune = false;      // the tuner picks the path per size below eager_bytes (FASTXFER_EAGER_TUNE;
+  bool eager_tune = true;       // the tuner picks the path per size below eager_bytes (FASTXFER_EAGER_TUNE;
                                 // false: every such bucket takes the one-exchange path)
   bool yield_on_wake = true;    // a submit that wakes the sleeping engine thread yields the core to it
                                 // (FASTXFER_YIELD; docs/architecture.md, "Waking the engine thread")
@@ -216,6 +216,9 @@ class Engine {
     std::vector<Request*> batch;
     Bucket eager_bucket{};
     AllreduceJob eager_run{};
+    std::vector<TensorSpec> specs;  // run_batch's fused runs: their tensors, buckets and job
+    std::vector<Bucket> plan;
+    AllreduceJob run{};
   };
   RoundScratch round_;
   EagerTuner tuner_;

@@ -70,4 +70,48 @@ std::vector<Bucket> BucketPlanner::plan(const std::vector<TensorSpec>& tensors) 
   return done;
 }
 
+void BucketPlanner::plan_into(const std::vector<TensorSpec>& tensors, std::vector<Bucket>& out) const {
+  for (const TensorSpec& t : tensors) {
+    if (t.dtype != tensors[0].dtype) {
+      out = plan(tensors);
+      return;
+    }
+  }
+  // One dtype: plan() with a single open bucket, closed in order, so completion order is the
+  // order of closing.
+  size_t used = 0;
+  if (!tensors.empty()) {
+    const DType dtype = tensors[0].dtype;
+    const DType wire = wire_dtype(dtype, compression_);
+    const size_t esize = dtype_size(wire), align = kBucketAlignBytes / esize;
+    Bucket* open = nullptr;
+    auto start = [&]() -> Bucket* {
+      if (used == out.size()) out.emplace_back();
+      Bucket& b = out[used++];
+      b.dtype = dtype;
+      b.compression = dtype == DType::kFloat32 ? compression_ : Compression::kNone;
+      b.wire_dtype = wire;
+      b.tensors.clear();
+      b.offsets.clear();
+      b.numels.clear();
+      b.numel = 0;
+      return &b;
+    };
+    // The cap of the open bucket: the first one closed is bucket 0.
+    auto cap = [&] { return used <= 1 ? first_cap_bytes_ : cap_bytes_; };
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const size_t n = tensors[i].numel;
+      if (open != nullptr && ((open->numel + align - 1) / align * align + n) * esize > cap()) open = nullptr;
+      if (open == nullptr) open = start();
+      const size_t offset = (open->numel + align - 1) / align * align;
+      open->tensors.push_back(static_cast<int>(i));
+      open->offsets.push_back(offset);
+      open->numels.push_back(n);
+      open->numel = offset + n;
+      if (open->numel * esize >= cap()) open = nullptr;
+    }
+  }
+  out.resize(used);
+}
+
 }  // namespace fastxfer

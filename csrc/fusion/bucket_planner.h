@@ -44,6 +44,10 @@ class BucketPlanner {
   // Buckets are returned in the order they become complete (by their last tensor), which is
   // the order the engine can start reducing them.
   std::vector<Bucket> plan(const std::vector<TensorSpec>& tensors) const;
+  // The same plan, written into `out` (resized to the plan's buckets). When every tensor has one
+  // dtype (the engine's fused runs: they fuse only tensors of one dtype) the buckets already in
+  // `out` keep their storage, so a caller that plans the same shapes again allocates nothing.
+  void plan_into(const std::vector<TensorSpec>& tensors, std::vector<Bucket>& out) const;
 
   size_t cap_bytes() const { return cap_bytes_; }
   size_t first_cap_bytes() const { return first_cap_bytes_; }

@@ -130,12 +130,16 @@ void unpack_range(const Bucket& bucket, const void* src, const std::vector<void*
   });
 }
 
-std::vector<Segment> segments(const Bucket& bucket, size_t lo, size_t hi) {
+void for_each_segment(const Bucket& bucket, size_t lo, size_t hi, FunctionRef<void(const Segment&)> fn) {
   check_range(bucket, lo, hi);
-  std::vector<Segment> out;
   walk(
-      bucket, lo, hi, [&](size_t j, size_t b, size_t e, size_t p) { out.push_back({j, b, p, e - b}); },
+      bucket, lo, hi, [&](size_t j, size_t b, size_t e, size_t p) { fn(Segment{j, b, p, e - b}); },
       [](size_t, size_t) {});
+}
+
+std::vector<Segment> segments(const Bucket& bucket, size_t lo, size_t hi) {
+  std::vector<Segment> out;
+  for_each_segment(bucket, lo, hi, [&](const Segment& s) { out.push_back(s); });
   return out;
 }
 

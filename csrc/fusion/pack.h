@@ -3,6 +3,7 @@
 #pragma once
 #include <vector>
 
+#include "common/function_ref.h"
 #include "fusion/bucket_planner.h"
 
 namespace fastxfer {
@@ -41,5 +42,7 @@ struct Segment {
   size_t count;
 };
 std::vector<Segment> segments(const Bucket& bucket, size_t lo, size_t hi);
+// The same pieces, handed to fn one by one (no vector: for the per-chunk paths of small buckets).
+void for_each_segment(const Bucket& bucket, size_t lo, size_t hi, FunctionRef<void(const Segment&)> fn);
 
 }  // namespace fastxfer

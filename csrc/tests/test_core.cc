@@ -174,6 +174,33 @@ static void test_planner_invariants() {
     CHECK(b.tensors.size() == 1 || b.nbytes() <= 300000, "cap respected unless a lone oversized tensor");
   }
   for (int s : seen) CHECK(s == 1, "every tensor in exactly one bucket");
+
+  // plan_into gives plan()'s buckets, one dtype or several, into a vector that held another plan
+  // (more buckets, fewer, or none): what the engine's fused runs reuse between rounds.
+  auto same = [](const std::vector<Bucket>& x, const std::vector<Bucket>& y) {
+    if (x.size() != y.size()) return false;
+    for (size_t i = 0; i < x.size(); ++i)
+      if (x[i].dtype != y[i].dtype || x[i].compression != y[i].compression || x[i].wire_dtype != y[i].wire_dtype ||
+          x[i].tensors != y[i].tensors || x[i].offsets != y[i].offsets || x[i].numels != y[i].numels ||
+          x[i].numel != y[i].numel)
+        return false;
+    return true;
+  };
+  std::vector<Bucket> into;
+  for (int trial = 0; trial < 60; ++trial) {
+    const bool mixed = trial % 4 == 3;
+    std::vector<TensorSpec> run;
+    const size_t count = rng() % 40;
+    for (size_t i = 0; i < count; ++i)
+      run.push_back({rng() % 3 == 0 ? rng() % 200000 : rng() % 300, mixed ? dts[rng() % 3] : dts[trial % 3]});
+    const size_t cap = 1000 + rng() % 400000, first = 1 + rng() % cap;
+    for (Compression c : {Compression::kNone, Compression::kBF16}) {
+      const BucketPlanner p(cap, first, c);
+      p.plan_into(run, into);
+      CHECK(same(into, p.plan(run)), "plan_into == plan (trial %d, %zu tensors, cap %zu, first %zu, mixed %d)", trial,
+            count, cap, first, mixed);
+    }
+  }
 }
 
 static void test_reduce_block() {
@@ -513,12 +540,19 @@ static void test_segment_ranks_attaching_together() {
 
 // A small synchronous allreduce allocates nothing once the engine is warm (docs/architecture.md,
 // "Small allreduces"): two forked ranks on one segment each run 300 average allreduces of 1024
-// float32 (the one-exchange path), the last 200 counted, and check every result exactly. The one
+// float32, the last 200 counted, and check every result exactly, on each path: with the records
+// (the one-exchange path, tuner off), through the chunks (eager_bytes 0), and as the tuner picks
+// (its default, both paths in its trial rounds). The one
 // allowance is the request queue's: a std::deque takes a 512-byte block every 64 requests (3 in
-// 200); before the reuse it was 18-20 allocations per call.
-static void test_small_allreduce_allocates_nothing() {
+// 200); before the reuse it was 18-20 allocations per call on the one-exchange path, and 6 on the
+// chunk path before its run kept its plan (Engine::run_allreduces).
+enum class SmallPath { kRecords, kChunks, kTuned };
+static void test_small_allreduce_allocates_nothing(SmallPath mode) {
   const int ranks = 2;
   const std::string name = "/dev/shm/fastxfer-test-core-alloc-" + std::to_string(getpid());
+  const char* path = mode == SmallPath::kRecords ? "the one-exchange path"
+                     : mode == SmallPath::kChunks ? "the chunk path"
+                                                  : "the tuner's paths";
   std::fflush(stdout);
   std::vector<pid_t> kids;
   for (int r = 0; r < ranks; ++r) {
@@ -536,6 +570,8 @@ static void test_small_allreduce_allocates_nothing() {
         job.shm.timeout_s = 60;
         job.shm.attach_timeout_s = 60;
         job.engine.max_records = 64;
+        if (mode == SmallPath::kRecords) job.engine.eager_tune = false;
+        if (mode == SmallPath::kChunks) job.engine.eager_bytes = 0;
         std::shared_ptr<Engine> eng = start_engine(job, nullptr);
         std::vector<float> in(1024), out(1024);
         long counted = 0;
@@ -561,9 +597,16 @@ static void test_small_allreduce_allocates_nothing() {
             wrong += out[k] != static_cast<float>((k + i) % 7 + 1);
         }
         const long allowed = 200 / 64 + 1;
-        if (counted > allowed) std::printf("rank %d: %ld allocations in 200 allreduces (at most %ld)\n", r, counted, allowed);
-        if (wrong != 0) std::printf("rank %d: %d wrong elements\n", r, wrong);
-        rc = counted > allowed || wrong != 0;
+        if (counted > allowed)
+          std::printf("rank %d, %s: %ld allocations in 200 allreduces (at most %ld)\n", r, path, counted, allowed);
+        if (wrong != 0) std::printf("rank %d, %s: %d wrong elements\n", r, path, wrong);
+        bool both = true;  // the tuner's trial rounds ran each path inside the count
+        if (mode == SmallPath::kTuned) {
+          const auto rows = eng->eager_tuning();
+          both = rows.size() == 1 && rows[0].eager_rounds > 0 && rows[0].chunk_rounds > 0;
+          if (!both) std::printf("rank %d: the tuner did not run both paths in 300 calls\n", r);
+        }
+        rc = counted > allowed || wrong != 0 || !both;
         eng->shutdown();
       } catch (const std::exception& e) {
         std::printf("rank %d: %s\n", r, e.what());
@@ -580,7 +623,8 @@ static void test_small_allreduce_allocates_nothing() {
     waitpid(k, &st, 0);
     failed += !(WIFEXITED(st) && WEXITSTATUS(st) == 0);
   }
-  CHECK(failed == 0, "%d of %d ranks allocated in a warm small allreduce, or got a wrong result", failed, ranks);
+  CHECK(failed == 0, "%d of %d ranks allocated in a warm small allreduce on %s, or got a wrong result", failed, ranks,
+        path);
   unlink(name.c_str());
 }
 
@@ -652,7 +696,9 @@ static void test_eager_tuner() {
 }
 
 int main() {
-  test_small_allreduce_allocates_nothing();
+  test_small_allreduce_allocates_nothing(SmallPath::kRecords);
+  test_small_allreduce_allocates_nothing(SmallPath::kChunks);
+  test_small_allreduce_allocates_nothing(SmallPath::kTuned);
   test_counter_increment_loses_nothing();
   test_segment_ranks_attaching_together();
   test_process_settings();

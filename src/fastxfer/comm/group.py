@@ -441,7 +441,7 @@ def make_engine(settings: dict, segment: str, local_rank: int, local_size: int, 
                         s.get("net_chunk", 1 << 20), s.get("host_timeout", 0.0), s.get("yield_on_wake", True),
                         s.get("host_id", ""), s.get("clock_offset_us", 0.0), s.get("timeline_mark_cycles", False),
                         list(member_pids), precreated, s.get("eager", 32 << 10), s.get("host_leader", True),
-                        s.get("eager_tune", False))
+                        s.get("eager_tune", True))
 
 
 def settings() -> dict:

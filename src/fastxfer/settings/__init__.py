@@ -227,9 +227,9 @@ _TABLE: tuple[Setting, ...] = (
     Setting("FASTXFER_EAGER_KB", "float", 32.0,
             "allreduce buckets up to this many KiB (packed, at most 64) travel with the negotiation's records: "
             "one exchange between ranks instead of three; 0: never", "-1", low=0, high=64),
-    Setting("FASTXFER_EAGER_TUNE", "bool", False,
-            "1: below FASTXFER_EAGER_KB the engine times both paths per size and takes the faster (rounds on "
-            "the chunk path allocate); 0: every such bucket takes the one-exchange path", "maybe"),
+    Setting("FASTXFER_EAGER_TUNE", "bool", True,
+            "1: below FASTXFER_EAGER_KB the engine times both paths per size and takes the faster; "
+            "0: every such bucket takes the one-exchange path", "maybe"),
     Setting("FASTXFER_ENGINE_THREADS", "int", 1, "pack/unpack threads inside one chunk of a collective", "0",
             low=1, high=256),
     Setting("FASTXFER_ENGINE_CPUS", "text", None,
