@@ -163,7 +163,7 @@ void bind_engine(py::module_& m) {
                        std::vector<int> job_ranks, size_t net_chunk_bytes, double host_timeout_s,
                        bool yield_on_wake, const std::string& host_id, double clock_offset_us,
                        bool timeline_mark_cycles, std::vector<int> member_pids, bool precreated,
-                       size_t eager_bytes, bool host_leader, bool eager_tune) {
+                       size_t eager_bytes, bool host_leader, bool eager_tune, double spin_max_us) {
              JobConfig job;
              job.shm.name = name;
              job.shm.rank = rank;
@@ -174,6 +174,7 @@ void bind_engine(py::module_& m) {
              job.shm.attach_timeout_s = attach_timeout_s;
              job.shm.max_records = max_records;
              job.shm.spin_us = spin_us;
+             job.shm.spin_max_us = spin_max_us;
              job.shm.stall_warning_s = stall_warning_s;
              job.shm.report_dir = report_dir;
              job.shm.rank_names = std::move(segment_ranks);
@@ -211,7 +212,8 @@ void bind_engine(py::module_& m) {
            py::arg("yield_on_wake") = true, py::arg("host_id") = "", py::arg("clock_offset_us") = 0.0,
            py::arg("timeline_mark_cycles") = false, py::arg("member_pids") = std::vector<int>{},
            py::arg("precreated") = false, py::arg("eager_bytes") = static_cast<size_t>(32u << 10),
-           py::arg("host_leader") = true, py::arg("eager_tune") = true)
+           py::arg("host_leader") = true, py::arg("eager_tune") = true,
+           py::arg("spin_max_us") = 1000.0)
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("size", &Engine::size)
       .def_property_readonly("oob_capacity", &Engine::oob_capacity)

@@ -31,6 +31,7 @@
 #include "common/process.h"
 #include "collectives/shm_collectives.h"
 #include "common/errors.h"
+#include "common/waiting.h"
 
 namespace fastxfer {
 
@@ -161,6 +162,7 @@ void Engine::wait(uint64_t id) {
       driving_ = true;
       lk.unlock();
       try {
+        const OwnResultWait own;  // this thread has nothing else to do: its waits may spin longer
         run_round();  // after the shutdown round the queue stays empty; shutdown() stops the thread
       } catch (...) {
         fail_from_current();

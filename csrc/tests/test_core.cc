@@ -20,6 +20,7 @@
 #include "common/errors.h"
 #include "common/output_pool.h"
 #include "common/parallel.h"
+#include "common/waiting.h"
 #include "engine/engine.h"
 #include "engine/request_builder.h"
 #include "transport/heartbeat.h"
@@ -454,6 +455,75 @@ static void test_heartbeat() {
   }
 }
 
+// The spin of a wait grows after waits that slept and ended soon after, only on a thread waiting
+// for its own result (common/waiting.h), and is back at FASTXFER_SPIN_US after a long wait: two
+// ranks of one segment on two threads, rank 1 waiting for rank 0's counter, published after a
+// pause each time.
+static void test_wait_spin_adapts_on_own_result_waits() {
+  ShmConfig cfg;
+  cfg.name = "/dev/shm/fastxfer-test-core-spin-" + std::to_string(getpid());
+  cfg.size = 2;
+  cfg.window_bytes = 64u << 10;
+  cfg.oob_bytes = 4096;
+  cfg.max_records = 16;
+  cfg.attach_timeout_s = 30;
+  cfg.spin_us = 50;
+  cfg.spin_max_us = 5000;
+  std::unique_ptr<ShmSegment> s0, s1;
+  std::string err;
+  std::thread t0([&] {
+    ShmConfig c = cfg;
+    c.rank = 0;
+    try {
+      s0 = std::make_unique<ShmSegment>(c);
+    } catch (const std::exception& e) {
+      err = e.what();
+    }
+  });
+  {
+    ShmConfig c = cfg;
+    c.rank = 1;
+    try {
+      s1 = std::make_unique<ShmSegment>(c);
+    } catch (const std::exception& e) {
+      err = e.what();
+    }
+  }
+  t0.join();
+  CHECK(s0 && s1 && err.empty(), "two ranks on two threads: %s", err.c_str());
+  if (!s0 || !s1) return;
+  uint32_t value = 0;
+  // rank 1 waits (on this thread) for rank 0's next value, published `pause_ms` later
+  auto wait_for_publish = [&](int pause_ms, bool own) {
+    ++value;
+    std::thread pub([&, v = value] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
+      s0->publish(Phase::kReady, v);
+    });
+    if (own) {
+      const OwnResultWait o;
+      s1->wait_one(0, Phase::kReady, value, "test");
+    } else {
+      s1->wait_one(0, Phase::kReady, value, "test");
+    }
+    pub.join();
+  };
+  const double base = cfg.spin_us * 1e-6, most = cfg.spin_max_us * 1e-6;  // as the segment forms them
+  CHECK(s1->spin_s() == base, "starts at spin_us: %g", s1->spin_s());
+  wait_for_publish(1, false);
+  CHECK(s1->spin_s() == base, "the engine thread's kind of wait changed the spin: %g", s1->spin_s());
+  wait_for_publish(1, true);  // slept, over within 2 x spin_max: longer
+  const double grown = s1->spin_s();
+  CHECK(grown > base && grown <= most, "a short wait that slept gave a spin of %g s", grown);
+  wait_for_publish(1, true);
+  CHECK(s1->spin_s() >= grown && s1->spin_s() <= most, "a second one gave %g s after %g", s1->spin_s(), grown);
+  wait_for_publish(40, true);  // a peer computing: back to the short spin
+  CHECK(s1->spin_s() == base, "a 40 ms wait left the spin at %g s", s1->spin_s());
+  s1.reset();
+  s0.reset();
+  unlink(cfg.name.c_str());
+}
+
 // A counter that several processes add to loses no count: threads hammer one with increment()
 // (the start-up count of attached ranks was once a fetch_add followed by a store of the result,
 // which put an older count back when two ranks attached at the same moment: a 3-rank job then
@@ -696,6 +766,7 @@ static void test_eager_tuner() {
 }
 
 int main() {
+  test_wait_spin_adapts_on_own_result_waits();
   test_small_allreduce_allocates_nothing(SmallPath::kRecords);
   test_small_allreduce_allocates_nothing(SmallPath::kChunks);
   test_small_allreduce_allocates_nothing(SmallPath::kTuned);

@@ -176,7 +176,8 @@ class Engine:
                  report_dir: str = "", segment_ranks: Sequence[int] = (), job_ranks: Sequence[int] = (),
                  net_chunk_bytes: int = 1 << 20, host_timeout_s: float = 0.0, yield_on_wake: bool = True,
                  host_id: str = "", clock_offset_us: float = 0.0, timeline_mark_cycles: bool = False,
-                 member_pids: Sequence[int] = (), precreated: bool = False, eager_bytes: int = 32 << 10) -> None:
+                 member_pids: Sequence[int] = (), precreated: bool = False, eager_bytes: int = 32 << 10,
+                 host_leader: bool = True, eager_tune: bool = True, spin_max_us: float = 1000.0) -> None:
         """Create or attach this host's segment ``name`` and start the engine thread; waits for the other local
         ranks. ``inter_host``: an object with the InterHost methods (fastxfer.comm.mpi.MPIInterHost) for jobs
         that span several hosts. ``stall_warning_s``: a wait this long warns once, naming the rank that stalls;

@@ -9,6 +9,7 @@
 #include "transport/shm/segment.h"
 
 #include "common/log.h"
+#include "common/waiting.h"
 
 #include <fcntl.h>
 #include <pwd.h>
@@ -205,7 +206,7 @@ std::string dir_of(const std::string& path) {
 
 }  // namespace
 
-ShmSegment::ShmSegment(const ShmConfig& cfg) : cfg_(cfg), path_(path_of(cfg.name)) {
+ShmSegment::ShmSegment(const ShmConfig& cfg) : cfg_(cfg), spin_s_(cfg.spin_us * 1e-6), path_(path_of(cfg.name)) {
   if (cfg_.size < 1 || cfg_.rank < 0 || cfg_.rank >= cfg_.size)
     throw std::invalid_argument("bad " + label(cfg_.rank) + " of " + std::to_string(cfg_.size));
   layout();
@@ -237,7 +238,8 @@ ShmSegment::ShmSegment(const ShmConfig& cfg) : cfg_(cfg), path_(path_of(cfg.name
   }
 }
 
-ShmSegment::ShmSegment(const ShmConfig& cfg, Precreate) : cfg_(cfg), path_(path_of(cfg.name)) {
+ShmSegment::ShmSegment(const ShmConfig& cfg, Precreate)
+    : cfg_(cfg), spin_s_(cfg.spin_us * 1e-6), path_(path_of(cfg.name)) {
   layout();
   create();  // on failure nothing is left behind
   close(fd_);
@@ -667,9 +669,12 @@ void ShmSegment::wait_one(int j, Phase phase, uint32_t target, const char* what)
   if (shm::reached(c.value.load(std::memory_order_acquire), target)) return;
   // Spin a little (a peer a few microseconds behind costs no system call), then sleep on the
   // futex: a rank that waits long for a slower peer must not take a core from the computation.
+  // How long: spin_s_ on a thread waiting for its own result, see the end; else FASTXFER_SPIN_US.
   double start = now_s();
-  if (cfg_.spin_us > 0) {
-    const double until = start + cfg_.spin_us * 1e-6;
+  const bool own = OwnResultWait::active();
+  const double spin = own ? spin_s_.load(std::memory_order_relaxed) : cfg_.spin_us * 1e-6;
+  if (spin > 0) {
+    const double until = start + spin;
     for (int spin = 1;; ++spin) {
       if (shm::reached(c.value.load(std::memory_order_acquire), target)) return;
 #if defined(__x86_64__)
@@ -690,11 +695,23 @@ void ShmSegment::wait_one(int j, Phase phase, uint32_t target, const char* what)
   WaitInfo info;
   for (;;) {
     uint32_t v = c.value.load(std::memory_order_acquire);
-    if (shm::reached(v, target)) return;
+    if (shm::reached(v, target)) break;
     shm::sleep_on(c, v, 100);
-    if (shm::reached(c.value.load(std::memory_order_acquire), target)) return;
+    if (shm::reached(c.value.load(std::memory_order_acquire), target)) break;
     check_peers(j, phase, what, now_s() - start, info);
   }
+  // This wait slept. Over soon after (within twice the most it may spin), a longer spin would have
+  // saved the sleep and its wake-up: on a VM whose idle vCPUs halt, a futex wake-up takes 100-400
+  // us, and two ranks that each sleep through the other's wake-up stay in that mode for whole
+  // runs (every step costs a wake-up). So a thread waiting for its own result spins longer next
+  // time: twice as long, or 1.25 times this wait, up to spin_max_us. A long wait is a peer
+  // computing: back to the short spin. The engine thread keeps the short spin: its waits overlap
+  // the computation, whose core a longer spin would take (common/waiting.h).
+  const double base = cfg_.spin_us * 1e-6, most = cfg_.spin_max_us * 1e-6;
+  if (!own || base <= 0 || most <= base) return;
+  const double waited = now_s() - start;
+  spin_s_.store(waited <= 2 * most ? std::min(most, std::max(2 * spin, 1.25 * waited)) : base,
+                std::memory_order_relaxed);
 }
 
 void ShmSegment::wait_all(Phase phase, uint32_t target, const char* what) {

@@ -27,6 +27,8 @@ struct ShmConfig {
   double timeout_s = 300;           // a peer that does not answer for this long is a failure
   double attach_timeout_s = 120;    // how long ranks wait for each other at start-up
   double spin_us = 50;              // how long a wait spins before it sleeps (FASTXFER_SPIN_US)
+  double spin_max_us = 1000;        // the most it spins once short sleeps showed spinning pays
+                                    // (FASTXFER_SPIN_MAX_US; <= spin_us: a fixed spin)
   double stall_warning_s = 60;      // a wait this long warns once, naming the rank that stalls
   std::string report_dir;           // where the launcher collects stall reports (FASTXFER_REPORT_DIR)
   std::vector<int> rank_names;      // the job rank of each rank of the segment, for messages (empty:
@@ -98,6 +100,8 @@ class ShmSegment {
   // Blocks until rank j's counter for `phase` reaches `target` (serial arithmetic), failing fast
   // with PeerFailure when a peer died, failed or fell silent; `what` names the step for errors.
   void wait_one(int j, Phase phase, uint32_t target, const char* what);
+  // How long a wait on a thread waiting for its own result spins now, in seconds (see spin_s_).
+  double spin_s() const { return spin_s_.load(std::memory_order_relaxed); }
   void wait_all(Phase phase, uint32_t target, const char* what);
 
   // Tells the peers this rank is leaving: cleanly (after a shutdown) or with an error message,
@@ -146,6 +150,10 @@ class ShmSegment {
   void check_members_alive(bool mapped) const;
 
   ShmConfig cfg_;
+  // How long a wait spins now: cfg_.spin_us, grown toward cfg_.spin_max_us by waits that slept and
+  // were over soon after, back to cfg_.spin_us after a long one (wait_one; docs/architecture.md,
+  // "Waiting for a peer"). Shared by this rank's threads: a race only costs one wait's choice.
+  std::atomic<double> spin_s_{0};
   std::string path_;  // the segment's file (path_of(cfg_.name))
   int fd_ = -1;
   void* base_ = nullptr;

@@ -356,7 +356,7 @@ def init(comm=None, process_sets=None, *, timeout: float | None = None, engine_c
         topology.apply_thread_settings()  # TensorFlow's thread counts from `fastxfer run --bind`, if loaded
         settings = dict(window=window, oob=oob, timeout=float(timeout),
                         attach_timeout=config.get("FASTXFER_ATTACH_TIMEOUT"), threads=threads, cpus=cpus, cap=cap,
-                        stream_min=stream_min, spin_us=spin_us(),
+                        stream_min=stream_min, spin_us=spin_us(), spin_max_us=config.get("FASTXFER_SPIN_MAX_US"),
                         stall_warning=min(60.0, timeout / 2) if stall_warning is None else stall_warning,
                         report_dir=config.get("FASTXFER_REPORT_DIR") or "",
                         net_chunk=net_chunk_bytes(), host_timeout=host_timeout(),
@@ -435,13 +435,19 @@ def make_engine(settings: dict, segment: str, local_rank: int, local_size: int, 
     so that its messages name ranks as the user knows them (empty: the same numbers). ``precreated``:
     this rank (the segment's first) made the segment with _core.precreate_segment."""
     s = settings
+    # The adaptive spin (FASTXFER_SPIN_MAX_US) only where every rank of the job on this machine is
+    # in the segment and has a core: a longer spin takes the core a peer needs when ranks share
+    # cores (2 simulated hosts x 2 ranks on 2 cores: 4 KiB 0.14 -> 0.70 ms; docs/architecture.md).
+    spin_max = s.get("spin_max_us", 1000.0)
+    if inter_host is not None or local_size > (os.cpu_count() or 1):
+        spin_max = 0.0
     return _core.Engine(segment, local_rank, local_size, s["window"], s["oob"], s["timeout"], s["attach_timeout"],
                         s["threads"], s["cpus"], s["cap"], MAX_RECORDS, s["stream_min"], inter_host, timeline, rank,
                         s["spin_us"], s["stall_warning"], s["report_dir"], list(segment_ranks), list(job_ranks),
                         s.get("net_chunk", 1 << 20), s.get("host_timeout", 0.0), s.get("yield_on_wake", True),
                         s.get("host_id", ""), s.get("clock_offset_us", 0.0), s.get("timeline_mark_cycles", False),
                         list(member_pids), precreated, s.get("eager", 32 << 10), s.get("host_leader", True),
-                        s.get("eager_tune", True))
+                        s.get("eager_tune", True), spin_max)
 
 
 def settings() -> dict:

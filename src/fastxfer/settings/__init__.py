@@ -224,6 +224,10 @@ _TABLE: tuple[Setting, ...] = (
             f"buckets whose outputs reach this many {_MB} are written with streaming stores", "-1", low=0, high=1e6),
     Setting("FASTXFER_SPIN_US", "float", 50.0, "microseconds a wait for a peer spins before it sleeps, 0: sleeps at once",
             "1e9", low=0, high=1e6),
+    Setting("FASTXFER_SPIN_MAX_US", "float", 1000.0,
+            "the most a synchronous call's wait spins once waits that slept and ended soon after show that "
+            "spinning pays (from FASTXFER_SPIN_US, back after a long wait; one host with a core per rank only); "
+            "at or below FASTXFER_SPIN_US: always FASTXFER_SPIN_US", "-1", low=0, high=1e6),
     Setting("FASTXFER_EAGER_KB", "float", 32.0,
             "allreduce buckets up to this many KiB (packed, at most 64) travel with the negotiation's records: "
             "one exchange between ranks instead of three; 0: never", "-1", low=0, high=64),
