@@ -675,12 +675,12 @@ void ShmSegment::wait_one(int j, Phase phase, uint32_t target, const char* what)
   const double spin = own ? spin_s_.load(std::memory_order_relaxed) : cfg_.spin_us * 1e-6;
   if (spin > 0) {
     const double until = start + spin;
-    for (int spin = 1;; ++spin) {
+    for (int pauses = 1;; ++pauses) {
       if (shm::reached(c.value.load(std::memory_order_acquire), target)) return;
 #if defined(__x86_64__)
       __builtin_ia32_pause();
 #endif
-      if ((spin & 63) == 0 && now_s() > until) break;
+      if ((pauses & 63) == 0 && now_s() > until) break;
     }
   }
   // Say what I am blocked on, for the peers' stall and mismatch checks (cleared on the way out).
