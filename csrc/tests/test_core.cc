@@ -37,6 +37,7 @@
 #include <chrono>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <thread>
 
 using namespace fastxfer;
@@ -470,27 +471,20 @@ static void test_wait_spin_adapts_on_own_result_waits() {
   cfg.spin_us = 50;
   cfg.spin_max_us = 5000;
   std::unique_ptr<ShmSegment> s0, s1;
-  std::string err;
-  std::thread t0([&] {
+  std::string err0, err1;  // one each: the two attach at once
+  auto attach = [&cfg](int rank, std::unique_ptr<ShmSegment>& seg, std::string& err) {
     ShmConfig c = cfg;
-    c.rank = 0;
+    c.rank = rank;
     try {
-      s0 = std::make_unique<ShmSegment>(c);
+      seg = std::make_unique<ShmSegment>(c);
     } catch (const std::exception& e) {
       err = e.what();
     }
-  });
-  {
-    ShmConfig c = cfg;
-    c.rank = 1;
-    try {
-      s1 = std::make_unique<ShmSegment>(c);
-    } catch (const std::exception& e) {
-      err = e.what();
-    }
-  }
+  };
+  std::thread t0([&] { attach(0, s0, err0); });
+  attach(1, s1, err1);
   t0.join();
-  CHECK(s0 && s1 && err.empty(), "two ranks on two threads: %s", err.c_str());
+  CHECK(s0 && s1, "two ranks on two threads: %s%s", err0.c_str(), err1.c_str());
   if (!s0 || !s1) return;
   uint32_t value = 0;
   // rank 1 waits (on this thread) for rank 0's next value, published `pause_ms` later
@@ -500,12 +494,9 @@ static void test_wait_spin_adapts_on_own_result_waits() {
       std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
       s0->publish(Phase::kReady, v);
     });
-    if (own) {
-      const OwnResultWait o;
-      s1->wait_one(0, Phase::kReady, value, "test");
-    } else {
-      s1->wait_one(0, Phase::kReady, value, "test");
-    }
+    std::optional<OwnResultWait> scope;
+    if (own) scope.emplace();
+    s1->wait_one(0, Phase::kReady, value, "test");
     pub.join();
   };
   const double base = cfg.spin_us * 1e-6, most = cfg.spin_max_us * 1e-6;  // as the segment forms them
